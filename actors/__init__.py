@@ -1,0 +1,1 @@
+"""Generation: vLLM engines inside Ray actors, the reward functions that score them."""

@@ -1,0 +1,184 @@
+"""The generation actor: one vLLM engine in one Ray actor.
+
+It takes prompt requests from the prompt queue, samples G completions of each with
+their logprobs, scores them with the reward function and pushes one
+``TrajectoryGroup`` per prompt to the results queue. Between generate calls it pulls
+the newest weights from the weight channel, loads them into the engine, resets the
+prefix cache (cached KV of the old weights would be wrong) and records the version
+that every later token is sampled with.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from actors.rewards import load_reward_function, score
+from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
+
+
+def redirect_output(log_path: str | None) -> None:
+    """Send this process's stdout/stderr (vLLM's and DeepSpeed's logs too) to ``log_path``."""
+    if not log_path:
+        return
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+class GenerationActor:
+    """Owns a vLLM engine. Placement (CPUs/GPUs) is given by ``cluster/``, not here."""
+
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        engine: dict[str, Any],
+        rollout: dict[str, Any],
+        reward_function: str,
+        dtype: str,
+        seed: int,
+        log_path: str | None = None,
+    ):
+        redirect_output(log_path)
+        # In-process engine: tensors reach the worker without a serialisation hop.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import torch
+        from vllm import LLM
+
+        self.name = name
+        self.rollout = rollout
+        self.seed = seed
+        self.reward_fn = load_reward_function(reward_function)
+        memory = (
+            {"gpu_memory_utilization": engine["gpu_memory_utilization"]}
+            if torch.cuda.is_available()
+            else {"kv_cache_memory_bytes": engine["kv_cache_gib"] << 30}
+        )
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=engine["max_model_len"],
+            enforce_eager=engine["enforce_eager"],
+            worker_extension_cls="actors.vllm_worker.WeightReceiver",
+            **memory,
+        )
+        self.version = 0  # policy version of the weights now loaded
+        self.weight_loads = 0
+        self.weight_wait_s = 0.0  # time spent waiting for / loading weights
+        print(f"[{name}] engine ready ({model_path}, {dtype})", flush=True)
+
+    def ready(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": os.getpid(), "version": self.version}
+
+    # --- weights -------------------------------------------------------------------
+    def load_weights(self, named_tensors: list, version: int) -> int:
+        """Load ``(name, tensor)`` pairs as policy ``version``; returns the version."""
+        self.llm.collective_rpc("load_named_weights", args=(named_tensors,))
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        self.version = version
+        self.weight_loads += 1
+        return version
+
+    def sync_weights(self, channel, min_version: int, timeout: float) -> None:
+        """Load the newest published weights; wait (up to ``timeout``) until version >= ``min_version``."""
+        start = time.monotonic()
+        latest = channel.latest_version()
+        if latest > self.version or min_version > self.version:
+            version, named = channel.fetch(min_version, timeout)
+            if version > self.version:
+                self.load_weights(named, version)
+        self.weight_wait_s += time.monotonic() - start
+
+    # --- generation ----------------------------------------------------------------
+    def sampling_params(self, prompt_id: int, n: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            max_tokens=self.rollout["max_tokens"],
+            temperature=self.rollout["temperature"],
+            top_p=self.rollout["top_p"],
+            logprobs=0,  # the sampled token's logprob
+            seed=self.seed * 1_000_003 + prompt_id,  # reproducible per prompt
+        )
+
+    def generate(self, requests: list[PromptRequest]) -> list[TrajectoryGroup]:
+        """Sample ``group_size`` completions per request, score them, return one group each."""
+        start = time.monotonic()
+        G = self.rollout["group_size"]
+        prompts = [r.row["prompt"] for r in requests]
+        params = [self.sampling_params(r.prompt_id, G) for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.monotonic() - start
+        return [self._to_group(req, out, elapsed) for req, out in zip(requests, outputs)]
+
+    def _to_group(self, request: PromptRequest, output, elapsed: float) -> TrajectoryGroup:
+        trajectories, errors, first_error = [], 0, None
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs)]
+            reward, error = score(self.reward_fn, request.row["prompt"], completion.text, request.row)
+            if error is not None:
+                errors += 1
+                first_error = first_error or error
+            trajectories.append(
+                Trajectory(
+                    prompt_token_ids=list(output.prompt_token_ids),
+                    completion_token_ids=ids,
+                    completion_mask=[1] * len(ids),
+                    sampler_logprobs=logprobs,
+                    policy_versions=[self.version] * len(ids),
+                    reward=reward,
+                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    completion_text=completion.text,
+                )
+            )
+        if first_error:
+            print(f"[{self.name}] reward function failed on prompt {request.prompt_id}: {first_error}", flush=True)
+        return TrajectoryGroup(
+            prompt_id=request.prompt_id,
+            row=request.row,
+            trajectories=trajectories,
+            actor_name=self.name,
+            reward_errors=errors,
+            first_reward_error=first_error,
+            generate_seconds=elapsed,
+        )
+
+    def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
+        """Log-probabilities of a fixed completion under the loaded weights (for checks and tests)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = list(prompt_token_ids) + list(completion_token_ids)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        start = len(prompt_token_ids)
+        return [out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
+
+    # --- the actor's loop ----------------------------------------------------------
+    def run(self, prompt_queue, results_queue, channel, timeouts: dict[str, float]) -> dict[str, Any]:
+        """Generate until the channel closes: take prompts, sync weights, generate, push results."""
+        per_call = self.rollout["prompts_per_request"]
+        groups_done = 0
+        while not channel.is_closed():
+            requests = prompt_queue.get_batch(per_call, timeout=0.5)
+            if not requests:
+                continue
+            self.sync_weights(channel, max(r.min_version for r in requests), timeouts["weights_s"])
+            groups = self.generate(requests)
+            results_queue.put_many(groups, timeout=timeouts["data_s"])
+            groups_done += len(groups)
+        return {"name": self.name, "groups": groups_done, "weight_loads": self.weight_loads}
+
+    def stats(self) -> dict[str, float]:
+        return {"version": self.version, "weight_loads": self.weight_loads, "weight_wait_s": self.weight_wait_s}

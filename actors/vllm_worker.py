@@ -1,0 +1,14 @@
+"""Code that runs inside vLLM's worker, next to the model (``worker_extension_cls``).
+
+vLLM mixes this class into its worker; ``collective_rpc("load_named_weights", ...)``
+calls it. Weights arrive as ``(name, tensor)`` pairs with Hugging Face names.
+"""
+
+from __future__ import annotations
+
+
+class WeightReceiver:
+    def load_named_weights(self, named_tensors: list) -> int:
+        """Load new weights in place (vLLM maps HF names, e.g. q/k/v into qkv_proj)."""
+        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        return len(named_tensors)

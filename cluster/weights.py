@@ -1,0 +1,132 @@
+"""The weight channel: learner rank 0 publishes versioned weights, actors pull them.
+
+One small interface with swappable backends, picked by ``build_weight_channel``:
+- ``"ray"``: weights are a Ray object (``ray.put`` by whoever publishes); a tiny store
+  actor holds the newest version and its reference, so any actor on any node can pull.
+- ``"local"``: the same methods over an in-process variable, for tests.
+Actors pull between generate calls; ``fetch`` waits for a minimum version with a
+deadline and raises ``WeightsTimeout`` naming the versions instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+NamedTensors = list  # [(hf_parameter_name, tensor), ...]
+
+
+class WeightsTimeout(TimeoutError):
+    """No weights of the required version arrived within the deadline."""
+
+
+class _WeightStore:
+    """Ray actor state: the newest version and a reference to its weights."""
+
+    def __init__(self):
+        self.version = 0
+        self.ref_box: list = []  # [ObjectRef] (boxed so Ray passes the reference, not the value)
+        self.closed = False
+
+    def publish(self, version: int, ref_box: list) -> None:
+        if version > self.version:
+            self.version, self.ref_box = version, ref_box
+
+    def latest(self) -> tuple[int, list, bool]:
+        return self.version, self.ref_box, self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class RayWeightChannel:
+    """Handle to the store actor; picklable, so actors receive it as an argument."""
+
+    def __init__(self, actor_options: dict | None = None):
+        import ray
+
+        options = {"num_cpus": 0, **(actor_options or {})}
+        self._store = ray.remote(_WeightStore).options(**options).remote()
+
+    def publish(self, version: int, weights: Any) -> None:
+        """``weights``: an ObjectRef to NamedTensors (preferred) or the NamedTensors themselves."""
+        import ray
+
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+        ray.get(self._store.publish.remote(version, [ref]))
+
+    def latest_version(self) -> int:
+        import ray
+
+        return ray.get(self._store.latest.remote())[0]
+
+    def is_closed(self) -> bool:
+        import ray
+
+        return ray.get(self._store.latest.remote())[2]
+
+    def fetch(self, min_version: int, timeout: float) -> tuple[int, NamedTensors | None]:
+        """Newest (version, weights) once version >= ``min_version``; version 0 means the initial weights."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while True:
+            version, box, closed = ray.get(self._store.latest.remote())
+            if version >= min_version:
+                return version, (ray.get(box[0], timeout=max(1.0, deadline - time.monotonic())) if box else None)
+            if closed or time.monotonic() > deadline:
+                raise WeightsTimeout(
+                    f"waited {timeout:.0f}s for policy version {min_version}, newest published is {version}; "
+                    "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
+                )
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        import ray
+
+        ray.get(self._store.close.remote())
+
+
+class LocalWeightChannel:
+    """The same channel inside one process."""
+
+    def __init__(self):
+        self._version, self._weights, self._closed = 0, None, False
+        self._changed = threading.Condition()
+
+    def publish(self, version: int, weights: NamedTensors) -> None:
+        with self._changed:
+            if version > self._version:
+                self._version, self._weights = version, weights
+                self._changed.notify_all()
+
+    def latest_version(self) -> int:
+        return self._version
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def fetch(self, min_version: int, timeout: float) -> tuple[int, NamedTensors | None]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._version >= min_version or self._closed, timeout) or (
+                self._version < min_version
+            ):
+                raise WeightsTimeout(
+                    f"waited {timeout:.0f}s for policy version {min_version}, newest published is {self._version}"
+                )
+            return self._version, self._weights
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
+def build_weight_channel(backend: str) -> Any:
+    """``"ray"`` or ``"local"``."""
+    if backend == "ray":
+        return RayWeightChannel()
+    if backend == "local":
+        return LocalWeightChannel()
+    raise ValueError(f"unknown weight channel backend {backend!r}; use 'ray' or 'local'")

@@ -1,0 +1,147 @@
+"""Factories the training program calls: Ray, the model directory, actors, learner ranks.
+
+Each factory hands a component only its own config section, and takes placement from
+``cluster.placement``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from cluster.placement import (
+    check_fits,
+    generation_actor_options,
+    learner_rank_options,
+    local_ray_cpus,
+)
+from launch.config import TandemConfig
+from launch.run_dir import RunLog
+
+
+class StartupError(RuntimeError):
+    """A component could not start; the message names it and its log file."""
+
+
+def prepare_model(model: dict[str, Any]) -> str:
+    """The model directory or hub id to load; builds the tiny model when asked."""
+    path = Path(model["path"]).expanduser()
+    if model["build_tiny"]:
+        from actors.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(path).resolve())
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise StartupError(f"model.path {path} has no config.json; point it at a Hugging Face model directory")
+        return str(path.resolve())
+    if model["path"].startswith((".", "/", "~")) or model["path"].count("/") > 1:
+        raise StartupError(
+            f"model.path {model['path']} does not exist; give an existing directory, a Hugging Face id "
+            "like Qwen/Qwen2.5-0.5B, or set model.build_tiny=true to build the tiny test model there"
+        )
+    return model["path"]  # a hub id: vLLM and transformers resolve it
+
+
+def start_ray(resources: dict[str, Any], log_to_driver: bool = False) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+    if resources["address"]:
+        ray.init(address=resources["address"], log_to_driver=log_to_driver, runtime_env=env)
+    else:
+        ray.init(
+            num_cpus=local_ray_cpus(resources),
+            log_to_driver=log_to_driver,
+            include_dashboard=False,
+            runtime_env=env,
+        )
+    check_fits(resources, ray.available_resources())
+
+
+async def _await_ready(refs: list, names: list[str], log_paths: list[str], timeout: float) -> list:
+    """Wait for start-up calls; a failure or timeout names the process and its log."""
+    results = []
+    for ref, name, log in zip(refs, names, log_paths):
+        try:
+            results.append(await asyncio.wait_for(_as_future(ref), timeout))
+        except asyncio.TimeoutError:
+            raise StartupError(f"{name} did not start within {timeout:.0f}s (run.startup_timeout_s); see {log}") from None
+        except Exception as exc:
+            cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise StartupError(f"{name} failed to start: {cause}; full log: {log}") from None
+    return results
+
+
+def _as_future(ref):
+    async def get():
+        return await ref
+
+    return get()
+
+
+async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog) -> list:
+    import ray
+
+    from actors.generation import GenerationActor
+
+    placement = cfg.resources.actors.model_dump()
+    engine = cfg.engine.model_dump()
+    Actor = ray.remote(GenerationActor)
+    actors, names, logs = [], [], []
+    for i in range(cfg.resources.actors.count):
+        name = f"actor-{i}"
+        log = run.log_path(name)
+        actors.append(
+            Actor.options(**generation_actor_options(placement, i, engine)).remote(
+                name=name,
+                model_path=model_path,
+                engine=engine,
+                rollout=cfg.rollout.model_dump(),
+                reward_function=cfg.reward.function,
+                dtype=cfg.model.dtype,
+                seed=cfg.run.seed + i,
+                log_path=log,
+            )
+        )
+        names.append(name)
+        logs.append(log)
+    await _await_ready([a.ready.remote() for a in actors], names, logs, cfg.run.startup_timeout_s)
+    return actors
+
+
+async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog):
+    import ray
+
+    from learner.group import LearnerGroup
+    from learner.worker import LearnerWorker
+
+    ranks = cfg.resources.learner.ranks
+    Worker = ray.remote(LearnerWorker).options(**learner_rank_options(cfg.resources.learner.model_dump()))
+    names = [f"learner-{r}" for r in range(ranks)]
+    logs = [run.log_path(n) for n in names]
+    workers = [Worker.remote(r, ranks, log) for r, log in zip(range(ranks), logs)]
+    master_addr, master_port = await workers[0].rendezvous_address.remote()
+    setups = [
+        w.setup.remote(
+            master_addr,
+            master_port,
+            model_path,
+            cfg.learner.model_dump(),
+            cfg.algorithm.model_dump(),
+            cfg.model.dtype,
+            cfg.run.seed,
+        )
+        for w in workers
+    ]
+    await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
+    return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.micro_batch_size)
+
+
+def quiet_environment() -> None:
+    """Keep library banners out of the progress display (they still reach the log files)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

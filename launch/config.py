@@ -1,0 +1,229 @@
+"""Tandem's typed run configuration: one validated schema, read from YAML plus overrides.
+
+Every field has a description; ``tandem config-reference`` prints them all and the
+README's config reference is generated from this file (a test keeps them in sync).
+Algorithm parameters and placement (``resources``) are separate sections, and each
+component receives only its own section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, explained in one line that names the field and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Hugging Face model id or local model directory (weights + tokenizer).")
+    build_tiny: bool = Field(
+        False, description="If the path does not exist, build the tiny random-init Qwen2 model there first."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Weights dtype for generation and training compute."
+    )
+
+
+class DataConfig(Section):
+    prompts: str = Field(
+        description="JSONL file of {\"prompt\": ..., \"answer\": ...} rows (other fields are passed to the "
+        "reward function), or 'builtin:<task>' for a built-in task."
+    )
+    num_rows: int = Field(2048, gt=0, description="Rows to generate for a built-in task.")
+    shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded by run.seed).")
+
+
+class RewardConfig(Section):
+    function: str = Field(
+        description="Reward function as 'path/to/file.py:function_name' (called as fn(prompt, completion, row) "
+        "-> float), or 'builtin:<task>'."
+    )
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(16, gt=0, description="Prompts in one training batch.")
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative.")
+    max_tokens: int = Field(16, gt=0, description="Longest completion, in tokens; longer ones are truncated.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    prompts_per_request: int = Field(
+        8, gt=0, description="Prompts an actor takes from the prompt queue per vLLM generate call."
+    )
+
+
+class EngineConfig(Section):
+    max_model_len: int = Field(512, gt=0, description="vLLM context length (prompt + completion).")
+    kv_cache_gib: int = Field(1, gt=0, description="KV cache size per engine on CPU, in GiB.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of GPU memory for vLLM on GPU.")
+    enforce_eager: bool = Field(True, description="Skip graph compilation in vLLM (fast start-up).")
+
+
+class LearnerConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward on each rank.")
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo"] = Field("grpo", description="Policy-gradient method.")
+    clip_eps_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - eps_low.")
+    clip_eps_high: float = Field(0.2, ge=0, description="PPO ratio clip above: 1 + eps_high.")
+    advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
+
+
+class ActorPlacement(Section):
+    count: int = Field(1, gt=0, description="Number of generation actors (one vLLM engine each).")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per generation actor.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per generation actor (vLLM uses them).")
+
+
+class LearnerPlacement(Section):
+    ranks: int = Field(1, gt=0, description="Data-parallel learner ranks (one DeepSpeed process each).")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per learner rank.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per learner rank.")
+
+
+class ResourcesConfig(Section):
+    address: str | None = Field(None, description="Ray cluster address to join; empty starts a local Ray.")
+    local_num_cpus: int | None = Field(
+        None, gt=0, description="CPUs a local Ray advertises (default: this machine's cores, or what the plan needs)."
+    )
+    actors: ActorPlacement = Field(default_factory=ActorPlacement)
+    learner: LearnerPlacement = Field(default_factory=LearnerPlacement)
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name; the run directory is <output_dir>/<name>-<timestamp>.")
+    output_dir: str = Field("runs", description="Parent directory of run directories.")
+    steps: int = Field(100, gt=0, description="Training steps (optimizer updates).")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    max_staleness: int = Field(
+        1, ge=0, description="Max policy versions between generating a token and training on it (0 = synchronous)."
+    )
+    data_timeout_s: float = Field(300, gt=0, description="Longest wait for a batch before the run fails.")
+    weights_timeout_s: float = Field(120, gt=0, description="Longest wait for new weights before the run fails.")
+    startup_timeout_s: float = Field(600, gt=0, description="Longest wait for actors and learners to start.")
+
+
+class TandemConfig(Section):
+    model: ModelConfig
+    data: DataConfig
+    reward: RewardConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "TandemConfig":
+        batch = self.rollout.prompts_per_step * self.rollout.group_size
+        ranks = self.resources.learner.ranks
+        if batch % ranks:
+            raise ValueError(
+                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences do not split evenly over "
+                f"resources.learner.ranks = {ranks}; choose values whose product is a multiple of {ranks}"
+            )
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """Turn ``["learner.lr=3e-4", "run.steps=5"]`` into (dotted key, YAML-typed value) pairs."""
+    pairs = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. learner.lr=3e-4")
+        pairs.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return pairs
+
+
+def _explain(err: ValidationError) -> str:
+    """One line per problem, naming the field and what to do."""
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "config"
+        if e["type"] == "extra_forbidden":
+            parent = e["loc"][:-1]
+            section = _section_of(parent)
+            valid = ", ".join(section.model_fields) if section else "?"
+            lines.append(f"unknown config key '{where}'; valid keys here: {valid}")
+        elif e["type"] == "missing":
+            lines.append(f"missing config key '{where}'; add it to the YAML or pass {where}=...")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"config key '{where}': {msg} (got {e.get('input')!r})" if e["loc"] else msg)
+    return "; ".join(lines)
+
+
+def _section_of(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = TandemConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TandemConfig:
+    """Read a YAML config, apply ``key=value`` overrides, validate; raise ``ConfigError`` on any problem."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass an existing YAML file to --config")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(tree).__name__}")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        return TandemConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def config_reference() -> str:
+    """Markdown table of every config key, its default and its description."""
+    rows = ["| key | default | description |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            rows.append(f"| `{prefix}{name}` | `{default}` | {field.description} |")
+
+    walk(TandemConfig, "")
+    return "\n".join(rows)

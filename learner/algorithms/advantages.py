@@ -1,0 +1,292 @@
+"""Advantage estimators and reward statistics, as pure functions over tensors.
+
+Per-token tensors are ``[B, T]`` over completion tokens with ``mask`` ``[B, T]``
+(1.0 real token, 0.0 padding). Values in padded slots are never read: they are
+replaced by zero before any arithmetic, so garbage (even NaN) there cannot leak.
+
+Group estimators take one scalar reward per completion, ``rewards`` ``[N]`` with
+``N = num_groups * G``, grouped consecutively: rows ``g*G .. g*G+G-1`` are the ``G``
+completions of prompt ``g``.
+
+Follows:
+* reward-to-go and GAE: Schulman et al. 2016, "High-Dimensional Continuous Control
+  Using Generalized Advantage Estimation".
+* GRPO outcome and process supervision: Shao et al. 2024, "DeepSeekMath" (sec. 4.1.2, 4.1.3).
+* Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training" (no std division).
+* RLOO: Ahmadian et al. 2024, "Back to Basics" (leave-one-out baseline).
+* Running moments: Chan, Golub & LeVeque 1979, parallel variance combination.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _float_mask(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.to(like.dtype) if mask.dtype != like.dtype else mask
+
+
+def _zero_padding(x: Tensor, mask: Tensor) -> Tensor:
+    # torch.where (not x * mask) so NaN/inf garbage in padded slots becomes exactly 0.
+    return torch.where(mask > 0, x, torch.zeros_like(x))
+
+
+# ---------------------------------------------------------------------------------------
+# Per-token estimators
+# ---------------------------------------------------------------------------------------
+
+
+def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Discounted reward-to-go ``G_t = sum_{k >= t} gamma^(k-t) r_k`` within each sequence.
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards.
+        mask: ``[B, T]`` completion mask. A masked position ends the sum (sequences are
+            right-padded; anything after a masked slot is not added).
+        gamma: discount factor.
+
+    Returns:
+        ``[B, T]`` reward-to-go, zero on padding.
+    """
+    mask = _float_mask(mask, rewards)
+    rewards = _zero_padding(rewards, mask)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # [B]; G_{t+1}
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]  # G_t = r_t + gamma * G_{t+1}
+        returns[:, t] = running
+    return returns
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation over completion tokens.
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards (e.g. KL-shaped, task reward on the last token).
+        values: ``[B, T]`` critic values V(s_t).
+        mask: ``[B, T]`` completion mask; V(s_{t+1}) = 0 past the last real token and no
+            advantage propagates across the end of a sequence or through padding.
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` and zero on padding;
+        ``returns = values + advantages`` (the value-function target).
+    """
+    mask = _float_mask(mask, rewards)
+    rewards = _zero_padding(rewards, mask)
+    values = _zero_padding(values, mask)
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])  # [B]; V(s_{t+1}), 0 past the end
+    next_advantage = torch.zeros_like(rewards[:, 0])  # [B]; A_{t+1}
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # delta_t = r_t + gamma V_{t+1} - V_t
+        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]  # A_t = delta_t + gamma lam A_{t+1}
+        next_value = values[:, t]  # already 0 on padding
+        advantages[:, t] = next_advantage
+    returns = (values + advantages) * mask  # R_t = V_t + A_t
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------
+# Group (outcome) estimators: rewards [N], N = num_groups * G
+# ---------------------------------------------------------------------------------------
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"group rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    return rewards.view(-1, group_size)  # [num_groups, G]
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantages ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)``.
+
+    ``std`` is the POPULATION std (divide by G, ``unbiased=False``), so a group of one
+    gives 0 rather than NaN. (TRL uses the sample std, divide by G-1; the two differ by
+    the constant factor sqrt((G-1)/G).)
+
+    Args:
+        rewards: ``[N]`` scalar rewards, groups of ``group_size`` consecutive rows.
+        group_size: G.
+        eps: added to the std; a group of identical rewards gets advantage 0.
+
+    Returns:
+        ``[N]`` advantages.
+    """
+    grouped = _grouped(rewards, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)  # [num_groups, 1]
+    std = grouped.std(dim=1, unbiased=False, keepdim=True)  # [num_groups, 1]; sqrt(sum (r - mean)^2 / G)
+    return ((grouped - mean) / (std + eps)).reshape(-1)  # A_i = (r_i - mean) / (std + eps)
+
+
+def dr_grpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Dr. GRPO advantages ``A_i = r_i - mean(r_group)`` (no std division). ``[N] -> [N]``."""
+    grouped = _grouped(rewards, group_size)
+    return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # A_i = r_i - mean
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO advantages ``A_i = r_i - (sum_{j != i} r_j) / (G - 1)``. ``[N] -> [N]``.
+
+    Algebraically ``A_i = G / (G - 1) * (r_i - mean)``, i.e. a rescaled Dr. GRPO.
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2, got {group_size}")
+    grouped = _grouped(rewards, group_size)
+    leave_one_out = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # mean of the other G-1
+    return (grouped - leave_one_out).reshape(-1)  # A_i = r_i - mean_{j != i} r_j
+
+
+def reinforce_baseline_advantages(rewards: Tensor, baseline: Tensor | float) -> Tensor:
+    """REINFORCE with a baseline, ``A_i = r_i - b`` (``b`` scalar or broadcastable to ``[N]``)."""
+    return rewards - baseline  # A_i = r_i - b
+
+
+def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Give every real token of sequence i the sequence advantage: ``[N], [N, T] -> [N, T]``."""
+    mask = _float_mask(mask, advantages)
+    return advantages.unsqueeze(-1) * mask  # A_{i,t} = A_i * m_{i,t}
+
+
+# ---------------------------------------------------------------------------------------
+# GRPO with process supervision
+# ---------------------------------------------------------------------------------------
+
+
+def accumulate_step_rewards(step_rewards: Tensor, step_end_mask: Tensor, mask: Tensor) -> Tensor:
+    """Token advantage = sum of the rewards of the steps ending at or after the token.
+
+    ``A_{i,t} = sum_{j : end(j) >= t} r_{i,j}`` (DeepSeekMath eq. process supervision).
+
+    Args:
+        step_rewards: ``[B, T]`` reward of each step at its step-end token, 0 elsewhere.
+        step_end_mask: ``[B, T]`` 1 at step-end positions.
+        mask: ``[B, T]`` completion mask.
+
+    Returns:
+        ``[B, T]`` token advantages, zero on padding.
+    """
+    mask = _float_mask(mask, step_rewards)
+    at_ends = _zero_padding(step_rewards, _float_mask(step_end_mask, step_rewards) * mask)  # [B, T]
+    suffix_sum = at_ends.flip(-1).cumsum(-1).flip(-1)  # [B, T]; sum_{k >= t} r_k
+    return suffix_sum * mask
+
+
+def grpo_process_advantages(
+    step_rewards: Tensor,
+    step_end_mask: Tensor,
+    mask: Tensor,
+    group_size: int,
+    eps: float = 1e-6,
+    normalise: bool = True,
+) -> Tensor:
+    """GRPO process-supervision advantages.
+
+    Step rewards are normalised over ALL steps of all G completions of a prompt,
+    ``r~ = (r - mean(R_group)) / (std(R_group) + eps)`` (population std), and each token
+    then gets the sum of the normalised rewards of the steps ending at or after it.
+
+    Args:
+        step_rewards: ``[B, T]`` reward of each step at its step-end token, 0 elsewhere;
+            ``B = num_groups * G`` with groups of consecutive rows.
+        step_end_mask: ``[B, T]`` 1 at step-end positions.
+        mask: ``[B, T]`` completion mask.
+        group_size: G.
+        eps: added to the std.
+        normalise: if False, skip the group normalisation (raw step rewards).
+
+    Returns:
+        ``[B, T]`` token advantages, zero on padding.
+    """
+    mask = _float_mask(mask, step_rewards)
+    is_end = _float_mask(step_end_mask, step_rewards) * mask  # [B, T]
+    rewards = _zero_padding(step_rewards, is_end)
+    if normalise:
+        batch, length = rewards.shape
+        if group_size < 1 or batch % group_size != 0:
+            raise ValueError(f"{batch} sequences do not split into groups of {group_size}")
+        grouped_r = rewards.reshape(-1, group_size * length)  # [num_groups, G*T]
+        grouped_e = is_end.reshape(-1, group_size * length)  # [num_groups, G*T]
+        n_steps = grouped_e.sum(-1, keepdim=True).clamp(min=1.0)  # [num_groups, 1]
+        mean = (grouped_r * grouped_e).sum(-1, keepdim=True) / n_steps  # mean over the group's steps
+        var = (((grouped_r - mean) ** 2) * grouped_e).sum(-1, keepdim=True) / n_steps  # population var
+        normalised = (grouped_r - mean) / (var.sqrt() + eps)  # r~ = (r - mean) / (std + eps)
+        rewards = (normalised * grouped_e).reshape(batch, length)
+    return accumulate_step_rewards(rewards, is_end, mask)
+
+
+# ---------------------------------------------------------------------------------------
+# Whitening and reward normalisation
+# ---------------------------------------------------------------------------------------
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 if there are none). 0-dim."""
+    mask = _float_mask(mask, x)
+    return _zero_padding(x, mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Masked whitening ``(x - mean) / sqrt(var + eps)`` over the real tokens.
+
+    ``var`` is the population variance over masked-in positions. With
+    ``shift_mean=False`` the mean is added back (only the scale changes).
+
+    Args:
+        x: ``[B, T]`` (any shape matching ``mask``).
+        mask: same shape, 1 for positions that count.
+
+    Returns:
+        Same shape as ``x``, zero on padding.
+    """
+    mask = _float_mask(mask, x)
+    x = _zero_padding(x, mask)
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)  # population variance
+    whitened = (x - mean) * torch.rsqrt(var + eps)  # (x - mu) / sqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def update_running_moments(
+    count: Tensor | float, mean: Tensor | float, var: Tensor | float, batch: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fold a batch into running (count, mean, population variance); Chan et al. parallel update.
+
+    ``delta = mean_b - mean``, ``n = count + n_b``,
+    ``mean' = mean + delta * n_b / n``,
+    ``var' = (var * count + var_b * n_b + delta^2 * count * n_b / n) / n``.
+    Start from ``(0, 0, 1)``. All elements of ``batch`` count.
+
+    Returns:
+        ``(count, mean, var)`` as 0-dim tensors, equal to the count/mean/population-variance
+        of all the data seen so far.
+    """
+    batch = batch.detach().reshape(-1)
+    dtype = batch.dtype if batch.is_floating_point() else torch.get_default_dtype()
+    batch = batch.to(dtype)
+    count = torch.as_tensor(count, dtype=dtype)
+    mean = torch.as_tensor(mean, dtype=dtype)
+    var = torch.as_tensor(var, dtype=dtype)
+    batch_count = torch.tensor(float(batch.numel()), dtype=dtype)
+    if batch.numel() == 0:
+        return count, mean, var
+    batch_mean = batch.mean()
+    batch_var = batch.var(unbiased=False)
+    total = count + batch_count
+    delta = batch_mean - mean
+    new_mean = mean + delta * batch_count / total  # mean' = mean + delta * n_b / n
+    # M2' = M2_a + M2_b + delta^2 n_a n_b / n, with M2 = var * count
+    m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
+    return total, new_mean, m2 / total
+
+
+def normalise_rewards(rewards: Tensor, mean: Tensor | float, var: Tensor | float, eps: float = 1e-8) -> Tensor:
+    """Standardise rewards with running statistics, ``(r - mean) / sqrt(var + eps)``."""
+    var = torch.as_tensor(var, dtype=rewards.dtype)
+    return (rewards - mean) / torch.sqrt(var + eps)  # r' = (r - mu) / sqrt(var + eps)

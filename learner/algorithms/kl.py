@@ -1,0 +1,97 @@
+"""Per-token KL estimators, KL reward shaping and the adaptive KL coefficient.
+
+Convention: tokens are sampled from the policy pi, and ``l_t = log pi(o_t) - log pi_ref(o_t)``.
+The estimators of KL(pi || pi_ref) follow J. Schulman, "Approximating KL Divergence" (2020):
+
+* ``k1 = l``                      unbiased, high variance, can be negative
+* ``k2 = 0.5 * l^2``              biased, low variance, >= 0
+* ``k3 = exp(-l) - 1 + l``        unbiased, low variance, >= 0 (``(rho - 1) - log rho`` with
+                                  ``rho = pi_ref / pi = exp(-l)``)
+
+Each estimator maps ``[B, T]`` logprobs to a ``[B, T]`` per-token KL, zero where ``mask``
+is 0 (if a mask is given). Reward shaping and the adaptive coefficient follow Ziegler et al.
+2019, "Fine-Tuning Language Models from Human Preferences".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+KLEstimator = Callable[..., Tensor]  # (logprobs, ref_logprobs, mask=None) -> [B, T]
+
+
+def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None) -> Tensor:
+    log_ratio = logprobs - ref_logprobs  # l = log pi - log pi_ref
+    if mask is None:
+        return log_ratio
+    return torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))  # KL of padding = 0
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``k1 = l``. ``[B, T], [B, T] -> [B, T]``."""
+    return _log_ratio(logprobs, ref_logprobs, mask)  # k1 = l
+
+
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``k2 = 0.5 * l^2``. ``[B, T], [B, T] -> [B, T]``."""
+    log_ratio = _log_ratio(logprobs, ref_logprobs, mask)
+    return 0.5 * log_ratio**2  # k2 = l^2 / 2
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``k3 = exp(-l) - 1 + l``. ``[B, T], [B, T] -> [B, T]``."""
+    log_ratio = _log_ratio(logprobs, ref_logprobs, mask)
+    return torch.exp(-log_ratio) - 1.0 + log_ratio  # k3 = e^{-l} - 1 + l
+
+
+KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def get_kl_estimator(name: str) -> KLEstimator:
+    """Look a KL estimator up by config name; unknown names fail with the valid ones listed."""
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[name]
+
+
+def kl_reward_shaping(task_reward: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """Per-token rewards ``r_t = -beta * KL_t``, plus the task reward on the last real token.
+
+    Args:
+        task_reward: ``[B]`` sequence-level reward.
+        kl: ``[B, T]`` per-token KL estimate (e.g. from ``kl_k1``).
+        mask: ``[B, T]`` completion mask; the task reward lands on the LAST position where
+            it is 1. A sequence with no real token gets no reward.
+        beta: KL coefficient.
+
+    Returns:
+        ``[B, T]`` per-token rewards, zero on padding.
+    """
+    real = mask > 0
+    mask = real.to(kl.dtype)
+    rewards = torch.where(real, -beta * kl, torch.zeros_like(kl))  # r_t = -beta KL_t
+    positions = torch.arange(kl.shape[-1], device=kl.device).expand_as(kl)  # [B, T]
+    last = torch.where(real, positions, torch.full_like(positions, -1)).max(-1).values  # [B]; -1 if empty
+    has_tokens = last >= 0  # [B]
+    bonus = torch.where(has_tokens, task_reward.to(kl.dtype), torch.zeros_like(task_reward, dtype=kl.dtype))
+    # r_{T_i} += R_i at the last real token T_i
+    return rewards.scatter_add(-1, last.clamp(min=0).unsqueeze(-1), bonus.unsqueeze(-1))
+
+
+def adaptive_kl_beta(beta: float, kl: float, kl_target: float, n_steps: int, horizon: int) -> float:
+    """Proportional controller for the KL coefficient (Ziegler et al. 2019, eq. 2).
+
+    ``e = clip(KL / KL_target - 1, -0.2, 0.2)``, ``beta <- beta * (1 + e * n_steps / horizon)``.
+
+    Args:
+        beta: current coefficient.
+        kl: observed KL(pi || pi_ref) of the last batch (a float: call ``.item()`` once).
+        kl_target: desired KL.
+        n_steps: samples (or steps) since the last update.
+        horizon: controller horizon in the same unit.
+    """
+    error = min(max(kl / kl_target - 1.0, -0.2), 0.2)  # e = clip(KL/KL_target - 1, -0.2, 0.2)
+    return beta * (1.0 + error * n_steps / horizon)  # beta <- beta (1 + e n / H)

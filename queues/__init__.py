@@ -1,0 +1,1 @@
+"""What crosses process boundaries: the typed messages and the bounded Ray queues."""

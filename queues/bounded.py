@@ -1,0 +1,156 @@
+"""Bounded FIFO queues with backpressure: the prompt queue and the results queue.
+
+One small interface, two backends chosen by ``build_queue``:
+- ``"ray"``: the queue lives in a tiny async Ray actor, so generation actors on any
+  node can put and get; a full queue makes ``put`` wait (backpressure).
+- ``"local"``: a thread-safe in-process queue with the same methods, for tests that run
+  one component alone.
+Every wait has a deadline: ``put`` raises ``QueueTimeout`` when the queue stays full,
+``get_batch`` returns an empty list when it stays empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from typing import Any
+
+
+class QueueTimeout(TimeoutError):
+    """A put found the queue full for longer than its deadline."""
+
+
+class _Deque:
+    """The queue's state and its blocking rules, shared by both backends."""
+
+    def __init__(self, maxsize: int):
+        if maxsize < 1:
+            raise ValueError(f"queue maxsize must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self.items: collections.deque = collections.deque()
+
+    def can_put(self, n: int) -> bool:
+        return len(self.items) + n <= self.maxsize or not self.items
+
+    def take(self, max_items: int) -> list:
+        n = min(max_items, len(self.items))
+        return [self.items.popleft() for _ in range(n)]
+
+
+class _RayQueueActor:
+    """Runs inside a Ray actor (async, so waiting calls do not block each other)."""
+
+    def __init__(self, maxsize: int):
+        self.state = _Deque(maxsize)
+        self.changed = asyncio.Condition()
+
+    async def put_many(self, items: list, timeout: float) -> bool:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.state.can_put(len(items))), timeout)
+            except asyncio.TimeoutError:
+                return False
+            self.state.items.extend(items)
+            self.changed.notify_all()
+            return True
+
+    async def get_batch(self, max_items: int, timeout: float) -> list:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(lambda: len(self.state.items) > 0), timeout)
+            except asyncio.TimeoutError:
+                return []
+            batch = self.state.take(max_items)
+            self.changed.notify_all()
+            return batch
+
+    def size(self) -> int:
+        return len(self.state.items)
+
+
+class RayQueue:
+    """Handle to a queue actor; picklable, so it can be passed to other Ray actors."""
+
+    def __init__(self, name: str, maxsize: int, actor_options: dict | None = None):
+        import ray
+
+        self.name = name
+        options = {"num_cpus": 0, "max_concurrency": 1000, **(actor_options or {})}
+        self._actor = ray.remote(_RayQueueActor).options(**options).remote(maxsize)
+
+    def put_many(self, items: list, timeout: float) -> None:
+        import ray
+
+        if not ray.get(self._actor.put_many.remote(list(items), timeout)):
+            raise QueueTimeout(f"{self.name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
+
+    async def put_many_async(self, items: list, timeout: float) -> None:
+        if not await self._actor.put_many.remote(list(items), timeout):
+            raise QueueTimeout(f"{self.name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
+
+    def get_batch(self, max_items: int, timeout: float) -> list:
+        import ray
+
+        return ray.get(self._actor.get_batch.remote(max_items, timeout))
+
+    async def get_batch_async(self, max_items: int, timeout: float) -> list:
+        return await self._actor.get_batch.remote(max_items, timeout)
+
+    def size(self) -> int:
+        import ray
+
+        return ray.get(self._actor.size.remote())
+
+
+class LocalQueue:
+    """The same queue for one process (threads), used when a component runs alone."""
+
+    def __init__(self, name: str, maxsize: int):
+        self.name = name
+        self._state = _Deque(maxsize)
+        self._changed = threading.Condition()
+
+    def put_many(self, items: list, timeout: float) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._state.can_put(len(items)), timeout):
+                raise QueueTimeout(f"{self.name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
+            self._state.items.extend(items)
+            self._changed.notify_all()
+
+    async def put_many_async(self, items: list, timeout: float) -> None:
+        await asyncio.to_thread(self.put_many, items, timeout)
+
+    def get_batch(self, max_items: int, timeout: float) -> list:
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._state.items) > 0, timeout)
+            batch = self._state.take(max_items)
+            self._changed.notify_all()
+            return batch
+
+    async def get_batch_async(self, max_items: int, timeout: float) -> list:
+        return await asyncio.to_thread(self.get_batch, max_items, timeout)
+
+    def size(self) -> int:
+        with self._changed:
+            return len(self._state.items)
+
+
+def build_queue(backend: str, name: str, maxsize: int) -> Any:
+    """Make a bounded queue: ``backend`` is ``"ray"`` or ``"local"``."""
+    if backend == "ray":
+        return RayQueue(name, maxsize)
+    if backend == "local":
+        return LocalQueue(name, maxsize)
+    raise ValueError(f"unknown queue backend {backend!r}; use 'ray' or 'local'")
+
+
+def wait_until(predicate, timeout: float, poll: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True

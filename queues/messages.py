@@ -1,0 +1,60 @@
+"""The typed messages that travel between the rollout loop, the actors and the learner.
+
+A prompt leaves the rollout loop as a ``PromptRequest``; a generation actor turns it
+into a ``TrajectoryGroup`` (the G completions of one prompt, scored); the learner
+trains on the groups. Every field that crosses a process boundary is declared here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PromptRequest:
+    """One prompt to be sampled ``group_size`` times."""
+
+    prompt_id: int  # unique within a run, in dispatch order
+    row: dict[str, Any]  # the dataset row: "prompt", "answer" and any extra fields
+    min_version: int  # lowest policy version allowed to generate it (admission control)
+
+
+@dataclass
+class Trajectory:
+    """One sampled completion of one prompt, with everything the learner needs."""
+
+    prompt_token_ids: list[int]  # the prompt as the sampler saw it
+    completion_token_ids: list[int]  # generated tokens, EOS included when sampled
+    completion_mask: list[int]  # 1 where the learner trains on the token, else 0
+    sampler_logprobs: list[float]  # log pi_sampler(token) for every completion token
+    policy_versions: list[int]  # weight version that produced each completion token
+    reward: float  # task reward (0.0 when the reward function failed)
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_tokens)
+    completion_text: str  # the decoded completion, special tokens removed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+
+@dataclass
+class TrajectoryGroup:
+    """The G completions of one prompt: the unit of group-relative advantages."""
+
+    prompt_id: int
+    row: dict[str, Any]
+    trajectories: list[Trajectory]
+    actor_name: str  # which generation actor produced it
+    reward_errors: int = 0  # completions whose reward function raised (scored 0)
+    first_reward_error: str | None = None  # "ExceptionType: message" of the first one
+    generate_seconds: float = 0.0  # wall time of the generate call that produced it
+    extras: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(min(t.policy_versions, default=0) for t in self.trajectories)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.trajectories)
