@@ -44,15 +44,20 @@ def reward_summary(metrics_path: Path) -> dict[str, float]:
 
 def run_training(config_path: str | Path, overrides: list[str]) -> int:
     from actors.rewards import load_reward_function
+    from launch.build import prepare_model
     from launch.run_dir import RunLog, format_seconds
     from launch.train import train
+    from queues.prompts import load_rows
 
     started = time.monotonic()
+    # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
-    load_reward_function(cfg.reward.function)  # fail before anything starts
+    load_reward_function(cfg.reward.function)
+    rows = load_rows(cfg.data.prompts, cfg.data.num_rows, cfg.run.seed)
+    model_path = prepare_model(cfg.model.model_dump())
     run = RunLog.create(cfg.run.output_dir, cfg.run.name, cfg.model_dump(mode="json"), cfg.run.steps)
     try:
-        details = asyncio.run(train(cfg, run))
+        details = asyncio.run(train(cfg, run, rows, model_path))
     finally:
         import ray
 

@@ -16,18 +16,16 @@ import time
 from typing import Any
 
 from cluster.weights import build_weight_channel
-from launch.build import build_generation_actors, build_learner_group, prepare_model, start_ray
+from launch.build import build_generation_actors, build_learner_group, start_ray
 from launch.config import TandemConfig
 from launch.run_dir import RunLog
 from launch.stepping import BatchCollector, Pace, step_metrics
 from queues.bounded import build_queue
 from queues.messages import PromptRequest
-from queues.prompts import PromptStream, load_rows
+from queues.prompts import PromptStream
 
 
-async def train(cfg: TandemConfig, run: RunLog) -> dict[str, Any]:
-    rows = load_rows(cfg.data.prompts, cfg.data.num_rows, cfg.run.seed)
-    model_path = prepare_model(cfg.model.model_dump())
+async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str) -> dict[str, Any]:
     start_ray(cfg.resources.model_dump())
     run.say(f"run directory: {run.root}\nstarting {cfg.resources.actors.count} generation actor(s) and "
             f"{cfg.resources.learner.ranks} learner rank(s) ...")

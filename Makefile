@@ -1,0 +1,14 @@
+# The README's two commands. Each sets up .venv first (a few minutes the first time).
+.PHONY: demo test test-fast setup
+
+setup:
+	@bash .ci/setup
+
+demo: setup
+	@.venv/bin/tandem demo
+
+test: setup
+	@.venv/bin/python -m pytest -q
+
+test-fast: setup
+	@.venv/bin/python -m pytest -q -m "not slow"

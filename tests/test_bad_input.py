@@ -1,0 +1,98 @@
+"""Bad input stops the run before anything starts, with one line naming the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from actors.rewards import RewardSpecError, load_reward_function, score
+from launch.cli import main
+from queues.prompts import DatasetError, PromptStream, read_jsonl_rows
+
+
+def _config(tmp_path, **sections) -> str:
+    import yaml
+
+    prompts = tmp_path / "p.jsonl"
+    if not prompts.exists():
+        prompts.write_text(json.dumps({"prompt": "1>", "answer": "1"}) + "\n")
+    reward = tmp_path / "r.py"
+    reward.write_text("def reward(prompt, completion, row):\n    return 1.0\n")
+    cfg = {"model": {"path": str(tmp_path / "model")}, "data": {"prompts": str(prompts)},
+           "reward": {"function": f"{reward}:reward"}, "run": {"output_dir": str(tmp_path / "runs")}}
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem: error: ") and "\n" not in err, err
+    return err
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    err = _one_line_error(capsys, ["train", "--config", _config(tmp_path), "rollout.group_sise=4"])
+    assert "unknown config key 'rollout.group_sise'" in err and "group_size" in err
+
+
+def test_missing_model_path(tmp_path, capsys):
+    err = _one_line_error(capsys, ["train", "--config", _config(tmp_path)])
+    assert f"model.path {tmp_path / 'model'} does not exist" in err and "build_tiny" in err
+    assert not (tmp_path / "runs").exists()  # nothing started, no empty run directory
+
+
+def test_jsonl_row_without_prompt(tmp_path, capsys):
+    rows = [{"prompt": "1>", "answer": "1"}, {"question": "2>", "answer": "2"}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    err = _one_line_error(capsys, ["train", "--config", _config(tmp_path)])
+    assert "line 2 has no 'prompt' field" in err
+
+
+def test_jsonl_broken_json_names_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    with pytest.raises(DatasetError, match=r"line 3 is not valid JSON"):
+        read_jsonl_rows(path)
+
+
+def test_reward_spec_errors(tmp_path):
+    with pytest.raises(RewardSpecError, match="must be 'path/to/file.py:function_name'"):
+        load_reward_function("no_colon_here")
+    with pytest.raises(RewardSpecError, match="does not exist"):
+        load_reward_function(f"{tmp_path}/missing.py:f")
+    (tmp_path / "r.py").write_text("def good(p, c, r):\n    return 1.0\n")
+    with pytest.raises(RewardSpecError, match="has no function 'bad'; functions defined there: good"):
+        load_reward_function(f"{tmp_path}/r.py:bad")
+    with pytest.raises(RewardSpecError, match="unknown"):
+        load_reward_function("builtin:no-such-task")
+
+
+def test_reward_function_that_raises_scores_zero_with_the_error():
+    def flaky(prompt, completion, row):
+        return 1.0 / len(completion)
+
+    assert score(flaky, "p", "ab", {}) == (0.5, None)
+    assert score(flaky, "p", "", {}) == (0.0, "ZeroDivisionError: float division by zero")
+    assert score(lambda p, c, r: float("nan"), "p", "c", {})[0] == 0.0
+    assert score(lambda p, c, r: "high", "p", "c", {})[1].startswith("ValueError")
+
+
+def test_prompt_stream_epochs_are_seeded_shuffles():
+    rows = [{"prompt": str(i)} for i in range(5)]
+    take = lambda seed: [r["prompt"] for _, r in zip(range(10), PromptStream(rows, seed))]  # noqa: E731
+    first = take(1)
+    assert first == take(1)  # deterministic
+    assert sorted(first[:5]) == sorted(first[5:]) == [str(i) for i in range(5)]  # every row once per epoch
+    assert [r["prompt"] for _, r in zip(range(5), PromptStream(rows, 0, shuffle=False))] == list("01234")
+
+
+def test_tandem_command_is_installed():
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "config-reference"], capture_output=True, text=True)
+    assert out.returncode == 0 and "| `learner.lr` |" in out.stdout

@@ -1,0 +1,65 @@
+"""The typed config: shipped files parse, overrides are typed, mistakes get one-line errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from launch.config import ConfigError, config_reference, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ["model.path=m", "data.prompts=p.jsonl", "reward.function=r.py:f"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert cfg.run.steps > 0
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, REQUIRED + ["learner.lr=3e-4", "run.steps=7", "resources.actors.count=2",
+                                        "learner.betas=[0.8, 0.95]"])
+    assert cfg.learner.lr == 3e-4 and cfg.run.steps == 7 and cfg.resources.actors.count == 2
+    assert cfg.learner.betas == (0.8, 0.95)
+
+
+def test_unknown_key_names_the_key_and_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, REQUIRED + ["learner.lrr=1"])
+    message = str(err.value)
+    assert "unknown config key 'learner.lrr'" in message and "lr" in message and "\n" not in message
+
+
+def test_missing_and_invalid_values():
+    with pytest.raises(ConfigError, match="missing config key 'reward'"):
+        load_config(None, REQUIRED[:2])
+    with pytest.raises(ConfigError, match="'learner.lr'.*greater than 0"):
+        load_config(None, REQUIRED + ["learner.lr=-1"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(None, REQUIRED + ["learner.lr"])
+
+
+def test_cross_field_rule_batch_splits_over_ranks():
+    with pytest.raises(ConfigError, match="resources.learner.ranks = 3"):
+        load_config(None, REQUIRED + ["resources.learner.ranks=3"])  # 16 x 8 = 128 is not a multiple of 3
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_readme_config_reference_is_in_sync():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", readme, re.S)
+    assert block, "README.md lacks the config reference markers"
+    assert block.group(1).strip() == config_reference().strip(), (
+        "README config reference is stale: regenerate it with `tandem config-reference`"
+    )

@@ -1,0 +1,121 @@
+"""The pieces between actors and learner, each alone with in-process neighbours."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from cluster.weights import LocalWeightChannel, WeightsTimeout
+from launch.stepping import BatchCollector, Pace
+from learner.batch import completion_logprobs, pad_sequences
+from learner.group import build_train_sequences, merge_rank_metrics, shard_sequences
+from queues.bounded import LocalQueue, QueueTimeout
+from tests.fakes import make_group, make_sequence
+
+
+def test_queue_backpressure_and_deadlines():
+    q = LocalQueue("results", maxsize=2)
+    q.put_many([1, 2], timeout=0.1)
+    with pytest.raises(QueueTimeout, match="results queue stayed full"):
+        q.put_many([3], timeout=0.05)
+    assert q.get_batch(5, timeout=0.1) == [1, 2]
+    assert q.get_batch(5, timeout=0.05) == []  # empty: returns after the deadline, does not hang
+
+
+def test_weight_channel_waits_with_a_deadline():
+    ch = LocalWeightChannel()
+    with pytest.raises(WeightsTimeout, match="policy version 1, newest published is 0"):
+        ch.fetch(1, timeout=0.05)
+    ch.publish(2, [("w", torch.ones(1))])
+    ch.publish(1, [("w", torch.zeros(1))])  # an older version never replaces a newer one
+    version, named = ch.fetch(1, timeout=0.05)
+    assert version == 2 and float(named[0][1]) == 1.0
+
+
+def test_pace_admits_within_the_staleness_bound():
+    async def go():
+        pace = Pace(prompts_per_step=4, max_staleness=1)
+        assert pace.allowance() == 8  # steps 0 and 1 may be generated with version 0
+        waiter = asyncio.create_task(pace.admit(8))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # prompt 8 belongs to step 2: needs version 1
+        pace.advance(1)
+        await asyncio.wait_for(waiter, 1)
+        pace.drop()  # a dropped prompt is replaced by one more admission
+        assert pace.allowance() == 13
+
+    asyncio.run(go())
+
+
+def test_synchronous_pace_alternates():
+    pace = Pace(prompts_per_step=4, max_staleness=0)
+    assert pace.allowance() == 4  # only step 0's prompts before the first update
+
+
+def test_collector_drops_too_stale_groups_and_counts_them():
+    async def go():
+        q = LocalQueue("results", maxsize=10)
+        q.put_many([make_group(0, [0.0, 1.0], version=0), make_group(1, [1.0, 1.0], version=2),
+                    make_group(2, [0.5, 0.0], version=1)], timeout=1)
+        dropped = []
+        collector = BatchCollector(q, {}, run=None, timeout=5, on_drop=lambda: dropped.append(1))
+        batch = await collector.collect(2, step=2, max_staleness=1)
+        return batch, dropped
+
+    batch, dropped = asyncio.run(go())
+    assert [g.prompt_id for g in batch.groups] == [1, 2]  # version 0 at step 2 is staleness 2 > 1
+    assert batch.dropped == 1 and dropped == [1]
+    assert batch.staleness == {0: 6, 1: 6}  # per token: 2 sequences x 3 tokens each
+
+
+def test_train_sequences_carry_group_advantages():
+    groups = [make_group(0, [1.0, 0.0]), make_group(1, [0.5, 0.5])]
+    seqs = build_train_sequences(groups, {"name": "grpo", "advantage_eps": 1e-6})
+    # group 0: mean 0.5, population std 0.5 -> (1 - 0.5)/0.5 = 1, -1; group 1: identical -> 0
+    assert [s.advantages[0] for s in seqs] == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+    assert all(len(s.advantages) == len(s.completion_token_ids) for s in seqs)
+
+
+def test_shards_are_even_with_equal_micro_batch_counts_and_global_normalisers():
+    rng = random.Random(0)
+    seqs = [make_sequence(rng, 3, rng.randint(1, 6)) for _ in range(10)]
+    shards = shard_sequences(seqs, ranks=2, micro_batch_size=2)
+    assert [len(s.micro_batches) for s in shards] == [3, 3]  # 5 per rank in micro-batches of <= 2
+    assert sum(len(mb) for s in shards for mb in s.micro_batches) == 10
+    assert all(s.num_tokens == sum(len(x.completion_token_ids) for x in seqs) for s in shards)
+    assert all(s.num_sequences == 10 and s.max_len == max(len(x.completion_token_ids) for x in seqs) for s in shards)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        shard_sequences(seqs, ranks=3, micro_batch_size=2)
+
+
+def test_merged_metrics_sum_loss_and_weight_by_tokens():
+    merged = merge_rank_metrics([
+        {"loss": 0.25, "tokens": 10, "seconds": 1.0, "ratio_mean": 1.0, "ratio_max": 1.5, "grad_norm": 2.0},
+        {"loss": 0.50, "tokens": 30, "seconds": 2.0, "ratio_mean": 2.0, "ratio_max": 1.2, "grad_norm": 2.0},
+    ])
+    assert merged["loss"] == 0.75 and merged["tokens"] == 40 and merged["learner_seconds"] == 2.0
+    assert merged["ratio_mean"] == pytest.approx((1.0 * 10 + 2.0 * 30) / 40)  # = 1.75
+    assert merged["ratio_max"] == 1.5 and merged["grad_norm"] == 2.0
+
+
+def test_padded_logprobs_equal_each_sequence_alone(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = random.Random(1)
+    seqs = [make_sequence(rng, rng.randint(1, 6), rng.randint(1, 7)) for _ in range(5)]
+    batch = pad_sequences(seqs, pad_id=0)
+    with torch.no_grad():
+        padded = completion_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
+                                     batch)
+        for i, s in enumerate(seqs):
+            ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            p = len(s.prompt_token_ids)
+            alone = torch.stack([logp[p - 1 + t, tok] for t, tok in enumerate(s.completion_token_ids)])
+            c = len(s.completion_token_ids)
+            torch.testing.assert_close(padded[i, :c], alone, atol=1e-5, rtol=0)
+            assert torch.all(padded[i, c:] == 0) and torch.all(batch.completion_mask[i, c:] == 0)
