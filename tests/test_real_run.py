@@ -1,0 +1,60 @@
+"""A shortened real run of the whole loop: Ray + vLLM actors + DeepSpeed learner, tiny model.
+
+It trains the demo's built-in task through ``tandem train`` (in-process), with a reward
+function that wraps the task's and raises on some prompts, and checks that the reward
+rises, that every trained token respected the staleness bound, that the failures were
+counted while the run went on, and that the run directory holds what it promises.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.cli import main
+
+pytestmark = pytest.mark.slow
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def test_short_real_run_learns_within_the_staleness_bound(tmp_path, tiny_model_dir, capsys):
+    task = yaml.safe_load(DEMO.read_text())["reward"]["function"]
+    flaky = tmp_path / "flaky_reward.py"
+    flaky.write_text(
+        "from actors.rewards import load_reward_function\n"
+        f"task_reward = load_reward_function({task!r})\n"
+        "def reward(prompt, completion, row):\n"
+        "    if prompt.endswith('7:'):\n"
+        "        raise RuntimeError('no reward for prompts ending in 7:')\n"
+        "    return task_reward(prompt, completion, row)\n"
+    )
+    steps = 60
+    code = main([
+        "train", "--config", str(DEMO), f"model.path={tiny_model_dir}", "model.build_tiny=false",
+        f"reward.function={flaky}:reward", f"run.steps={steps}", f"run.output_dir={tmp_path / 'runs'}",
+        "run.max_staleness=1",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    run_dir = next((tmp_path / "runs").iterdir())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(steps))
+
+    # Every trained token was generated at most 1 version before the step that trained it.
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert all(set(m["staleness_hist"]) <= {"0", "1"} for m in metrics)
+    assert any(m["staleness_max"] == 1 for m in metrics)  # and the run really overlapped
+
+    rewards = [m["reward_mean"] for m in metrics]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert last > first + 0.2, f"reward did not rise: {first:.3f} -> {last:.3f}"
+
+    assert sum(m["reward_errors"] for m in metrics) > 0  # the raising prompts were counted ...
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps  # ... and the run went on to the end
+    assert (run_dir / "config.yaml").is_file() and list((run_dir / "tb").iterdir())
+    assert (run_dir / "logs" / "actor-0.log").read_text().count("no reward for prompts ending in 7:") > 0
+    assert "reward" in out and "ETA" in out and str(run_dir) in out
