@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from actors.rewards import load_reward_function, score
+from actors.rewards import load_reward_function, score, score_steps, step_end_tokens
 from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
 
 
@@ -46,7 +46,10 @@ class GenerationActor:
         dtype: str,
         seed: int,
         log_path: str | None = None,
+        step_delimiter: str | None = None,
     ):
+        """``step_delimiter`` is set for process supervision: the reward function then
+        returns one reward per step, and each is placed on the token that ends its step."""
         redirect_output(log_path)
         # In-process engine: tensors reach the worker without a serialisation hop.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -56,6 +59,7 @@ class GenerationActor:
         self.name = name
         self.rollout = rollout
         self.seed = seed
+        self.step_delimiter = step_delimiter
         self.reward_fn = load_reward_function(reward_function)
         memory = (
             {"gpu_memory_utilization": engine["gpu_memory_utilization"]}
@@ -126,7 +130,7 @@ class GenerationActor:
         for completion in output.outputs:
             ids = list(completion.token_ids)
             logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs)]
-            reward, error = score(self.reward_fn, request.row["prompt"], completion.text, request.row)
+            reward, steps, ends, error = self._score(request, completion.text, ids)
             if error is not None:
                 errors += 1
                 first_error = first_error or error
@@ -140,6 +144,8 @@ class GenerationActor:
                     reward=reward,
                     finish_reason="length" if completion.finish_reason == "length" else "stop",
                     completion_text=completion.text,
+                    step_rewards=steps,
+                    step_end_tokens=ends,
                 )
             )
         if first_error:
@@ -153,6 +159,25 @@ class GenerationActor:
             first_reward_error=first_error,
             generate_seconds=elapsed,
         )
+
+    def _score(self, request: PromptRequest, text: str, ids: list[int]):
+        """``(reward, step_rewards, step_end_tokens, error)``; steps only for process supervision."""
+        prompt, row = request.row["prompt"], request.row
+        if self.step_delimiter is None:
+            reward, error = score(self.reward_fn, prompt, text, row)
+            return reward, None, None, error
+        reward, steps, error = score_steps(self.reward_fn, prompt, text, row)
+        if error is None and steps is None:  # a single score: one step, ending at the last token
+            return reward, [reward], [len(ids) - 1], None
+        ends = step_end_tokens(ids, self._decode, self.step_delimiter) if ids else []
+        if error is None and len(steps) != len(ends):
+            error = f"ValueError: reward function gave {len(steps)} step rewards for {len(ends)} steps"
+        if error is not None or not ids:
+            return 0.0, [], [], error
+        return reward, steps, ends, None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
 
     def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed completion under the loaded weights (for checks and tests)."""

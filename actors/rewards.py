@@ -1,8 +1,10 @@
 """Reward functions: loading a user's ``file.py:function`` and scoring safely.
 
-A reward function is called as ``fn(prompt, completion, row) -> float``. One that
-raises, or returns something that is not a finite number, gives that sample a reward
-of 0.0; the error is counted and reported, and the run goes on.
+A reward function is called as ``fn(prompt, completion, row)`` and returns a float, or,
+for process supervision, a list of floats: one per reasoning step of the completion
+(steps are separated by ``algorithm.step_delimiter``). One that raises, or returns
+something else, gives that sample a reward of 0.0; the error is counted and reported,
+and the run goes on.
 """
 
 from __future__ import annotations
@@ -55,11 +57,47 @@ def load_reward_function(spec: str) -> RewardFn:
 
 def score(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]) -> tuple[float, str | None]:
     """Call the reward function; return ``(reward, None)`` or ``(0.0, "Error: message")``."""
+    reward, steps, error = score_steps(fn, prompt, completion, row)
+    if steps is not None:
+        return 0.0, "ValueError: reward function returned a list; a float was expected"
+    return reward, error
+
+
+def score_steps(
+    fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
+) -> tuple[float, list[float] | None, str | None]:
+    """Like ``score`` but a list of step rewards is allowed: ``(sum, steps, None)``."""
     try:
         value = fn(prompt, completion, row)
-        reward = float(value)
+        steps = [float(v) for v in value] if isinstance(value, (list, tuple)) else None
+        reward = sum(steps) if steps is not None else float(value)
     except Exception as exc:  # a user's function may raise anything; the run goes on
-        return 0.0, f"{type(exc).__name__}: {exc}"
-    if not math.isfinite(reward):
-        return 0.0, f"ValueError: reward function returned {value!r}, not a finite number"
-    return reward, None
+        return 0.0, None, f"{type(exc).__name__}: {exc}"
+    if not math.isfinite(reward) or (steps is not None and not all(math.isfinite(v) for v in steps)):
+        return 0.0, None, f"ValueError: reward function returned {value!r}, not finite numbers"
+    return reward, steps, None
+
+
+def step_end_tokens(token_ids: list[int], decode: Callable[[list[int]], str], delimiter: str) -> list[int]:
+    """Index of the token that completes each step of the decoded completion.
+
+    Steps end after each ``delimiter`` (or after every character when it is ''), and at
+    the end of the text if the last step has no delimiter. Costs O(T) decodes of prefixes.
+    """
+    text = decode(token_ids)
+    if delimiter == "":
+        ends = list(range(1, len(text) + 1))
+    else:
+        ends, pos = [], 0
+        while (found := text.find(delimiter, pos)) != -1:
+            pos = found + len(delimiter)
+            ends.append(pos)
+        if pos < len(text):
+            ends.append(len(text))
+    prefix_lengths = [len(decode(token_ids[: i + 1])) for i in range(len(token_ids))]
+    out, i = [], 0
+    for end in ends:
+        while i < len(prefix_lengths) - 1 and prefix_lengths[i] < end:
+            i += 1
+        out.append(i)
+    return out

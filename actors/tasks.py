@@ -25,6 +25,13 @@ Why this is learnable from scratch:
   template: the model only has to route one prompt position (the digit) to the
   output, a lookup that a 2-layer transformer picks up within tens of steps.
 
+One trap, and its fix: a prompt whose right digit the model has not found yet can
+collapse to stopping at once (EOS first, empty completion, reward 0 for all samples,
+so zero group variance and no signal ever again). It happened in 2 of 5 seeds, each
+time for one prompt out of ten, leaving the mean reward at ~0.89 instead of ~0.99.
+Sampling with ``min_tokens=1`` (vLLM ``SamplingParams(min_tokens=1)``: EOS is not
+allowed as the first token) removes it: 5/5 seeds reached >= 0.995.
+
 Multi-character copying ("123>" -> "123"), two-operand addition and mixed +1/-1 prompts
 were measured too and learn far more slowly (see :data:`BUILTIN_TASKS`).
 
@@ -154,6 +161,22 @@ def echo_reward(prompt: str, completion: str, row: dict | None = None) -> float:
 
 
 # ---------------------------------------------------------------------------------
+# successor_steps: the successor task with one reward per character (process supervision)
+
+
+def successor_step_rewards(prompt: str, completion: str, row: dict | None = None) -> list[float]:
+    """One reward per character of the completion, for GRPO process supervision
+    (``algorithm.step_delimiter: ''`` makes every character a step).
+
+    The first character earns 1.0 when it is the answer, else 0.0; every further
+    character costs -0.25 (the answer is one character, so the model should stop).
+    ``"5"`` -> [1.0]; ``"5x"`` -> [1.0, -0.25]; ``"x5"`` -> [0.0, -0.25].
+    """
+    answer = (row or {}).get("answer") or DIGITS[(int(_digit_after(SUCCESSOR_PREFIX, prompt) or 0) + 1) % 10]
+    return [float(ch == answer) if i == 0 else -0.25 for i, ch in enumerate(completion)]
+
+
+# ---------------------------------------------------------------------------------
 # Registry
 
 
@@ -178,6 +201,7 @@ RECOMMENDED = {
     "group_size": 8,
     "max_tokens": 4,
     "temperature": 1.0,
+    "min_tokens": 1,  # forbid an empty completion; optional, see the module docstring
     "lr": 1e-3,
     "betas": (0.9, 0.999),
     "weight_decay": 0.0,
@@ -192,8 +216,9 @@ BUILTIN_TASKS: dict[str, Task] = {
         doc=(
             "Successor of a digit, mod 10: 'next 4:' -> '5', 'next 9:' -> '0'. "
             "Reward: positional match over the longer string ('5' = 1.0, '5x' = 0.5). "
-            "Default demo task: a random-init tiny model goes from ~0.01 to >0.85 mean "
-            "reward in 150 GRPO steps (3/3 seeds)."
+            "Default demo task: a random-init tiny model goes from ~0.015 to ~0.99 mean "
+            "reward in 150 GRPO steps (5/5 seeds with min_tokens=1; without it 3/5 "
+            "reach ~0.99 and 2/5 stop at ~0.89)."
         ),
         recommended=dict(RECOMMENDED),
     ),
@@ -204,6 +229,16 @@ BUILTIN_TASKS: dict[str, Task] = {
         doc=(
             "Repeat a digit: 'copy 7:' -> '7'. Same reward as successor. The easiest "
             "built-in task; a fallback when successor is too slow for a setup."
+        ),
+        recommended=dict(RECOMMENDED),
+    ),
+    "successor_steps": Task(
+        name="successor_steps",
+        make_rows=successor_rows,
+        reward=successor_step_rewards,
+        doc=(
+            "The successor task scored per character (process supervision): 1.0 for a right first "
+            "character, -0.25 for each further one. Use with algorithm.step_delimiter=''."
         ),
         recommended=dict(RECOMMENDED),
     ),

@@ -105,6 +105,7 @@ async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLo
                 dtype=cfg.model.dtype,
                 seed=cfg.run.seed + i,
                 log_path=log,
+                step_delimiter=cfg.algorithm.step_delimiter if cfg.algorithm.name == "grpo_process" else None,
             )
         )
         names.append(name)
@@ -138,7 +139,7 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog):
         for w in workers
     ]
     await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
-    return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.micro_batch_size)
+    return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.micro_batch_size, cfg.rollout.max_tokens)
 
 
 def quiet_environment() -> None:

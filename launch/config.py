@@ -76,11 +76,66 @@ class LearnerConfig(Section):
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward on each rank.")
 
 
+METHODS = ("reinforce", "rloo", "grpo", "grpo_process", "dr_grpo", "gspo", "cispo", "ppo")
+
+
+class KLConfig(Section):
+    placement: Literal["none", "reward", "loss"] = Field(
+        "none", description="Where the KL to the reference model goes: per-token reward shaping, a loss term, or off."
+    )
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l.")
+    beta: float = Field(0.01, ge=0, description="KL coefficient (the starting value when adaptive).")
+    adaptive: bool = Field(False, description="Adapt beta towards kl.target: beta *= 1 + clip(KL/target - 1, +-0.2) n/H.")
+    target: float = Field(0.01, gt=0, description="Adaptive KL target per token.")
+    horizon: int = Field(10000, gt=0, description="Adaptive KL horizon H, in samples.")
+    reference_path: str | None = Field(None, description="Reference model (default: the initial policy, model.path).")
+
+
+class CriticConfig(Section):
+    init: Literal["policy", "reward_model", "fresh"] = Field(
+        "policy", description="Value model start: the policy's transformer, a reward-model checkpoint, or random."
+    )
+    path: str | None = Field(
+        None, description="Value model checkpoint (a reward model or a smaller model); default: model.path."
+    )
+    lr: float = Field(1e-3, gt=0, description="Critic AdamW learning rate.")
+    value_clip: float | None = Field(None, gt=0, description="Clip value updates to +-this around V_old (off if empty).")
+
+
+class SoftOverlongConfig(Section):
+    cache_len: int = Field(description="Tokens before max_tokens where the penalty starts ramping.")
+    factor: float = Field(1.0, ge=0, description="Penalty at the length limit (ramps linearly from 0).")
+
+
 class AlgorithmConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="Policy-gradient method.")
-    clip_eps_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0, description="PPO ratio clip above: 1 + eps_high.")
+    name: Literal[METHODS] = Field("grpo", description="Method: " + ", ".join(METHODS) + ".")  # type: ignore[valid-type]
+    loss_aggregation: Literal["token_mean", "seq_mean", "fixed_length"] | None = Field(
+        None, description="token_mean, seq_mean or fixed_length (empty: the method's own; Dr. GRPO: fixed_length)."
+    )
+    clip_eps_low: float | None = Field(None, ge=0, description="Ratio clip below, 1 - eps_low (empty: method default).")
+    clip_eps_high: float | None = Field(None, ge=0, description="Ratio clip above, 1 + eps_high (empty: method default).")
+    dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c for negative advantages (off if empty).")
+    epochs: int = Field(1, gt=0, description="Passes over each batch.")
+    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass (the batch is split in this many).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
     advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
+    whiten_advantages: bool = Field(False, description="Whiten advantages over the batch (masked).")
+    normalise_rewards: bool = Field(False, description="Scale rewards to zero mean, unit variance with running stats.")
+    whiten_rewards: Literal["off", "whiten", "whiten_keep_mean"] = Field(
+        "off", description="Whiten rewards over the batch; whiten_keep_mean adds the mean back."
+    )
+    truncation_penalty: float | None = Field(
+        None, description="Reward given instead of the score to a completion cut at max_tokens (off if empty)."
+    )
+    soft_overlong: SoftOverlongConfig | None = Field(
+        None, description="Ramp a penalty over the last cache_len tokens of the budget (off if empty)."
+    )
+    step_delimiter: str = Field(
+        "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
+    )
+    kl: KLConfig = Field(default_factory=KLConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
 
 
 class ActorPlacement(Section):
@@ -131,11 +186,23 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "TandemConfig":
         batch = self.rollout.prompts_per_step * self.rollout.group_size
-        ranks = self.resources.learner.ranks
-        if batch % ranks:
+        ranks, minibatches = self.resources.learner.ranks, self.algorithm.minibatches
+        if batch % (ranks * minibatches):
             raise ValueError(
                 f"rollout.prompts_per_step x rollout.group_size = {batch} sequences do not split evenly over "
-                f"resources.learner.ranks = {ranks}; choose values whose product is a multiple of {ranks}"
+                f"resources.learner.ranks x algorithm.minibatches = {ranks} x {minibatches}; "
+                f"choose values whose product is a multiple of {ranks * minibatches}"
+            )
+        algo = self.algorithm
+        if algo.name == "grpo_process" and algo.kl.placement == "reward":
+            raise ValueError(
+                "algorithm.kl.placement=reward is not defined for grpo_process (its rewards are per step); "
+                "use algorithm.kl.placement=loss"
+            )
+        if algo.soft_overlong and algo.soft_overlong.cache_len >= self.rollout.max_tokens:
+            raise ValueError(
+                f"algorithm.soft_overlong.cache_len = {algo.soft_overlong.cache_len} must be below "
+                f"rollout.max_tokens = {self.rollout.max_tokens}"
             )
         return self
 

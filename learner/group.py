@@ -1,9 +1,13 @@
 """The learner group: the driver's handle on all data-parallel learner ranks.
 
-It turns a batch of scored trajectory groups into per-rank shards (advantages are
-group-relative, so they are computed here over whole groups before the batch is
-split), computes the global loss normalisers once, runs one optimizer step on every
-rank, and collects the exported weights from rank 0.
+One training step over a batch of scored trajectory groups:
+  1. split the sequences into minibatches (one optimizer step each), each spread evenly
+     over the ranks in equal numbers of micro-batches, with its global normalisers;
+  2. if the method needs them, ask every rank for the old-policy log-probs, reference
+     log-probs and critic values of its sequences (``score``);
+  3. compute advantages over the WHOLE batch here (group baselines need whole groups,
+     whitening needs the whole batch): ``learner/returns.py``;
+  4. every rank trains on its shard; rank 0 then exports the weights.
 """
 
 from __future__ import annotations
@@ -14,47 +18,76 @@ from typing import Any
 
 import torch
 
-from learner.batch import LearnerShard, TrainSequence
-from learner.objective import get_algorithm
+from learner.algorithms import adaptive_kl_beta, get_kl_estimator
+from learner.batch import LearnerShard, MiniBatch, TrainSequence, pad_rows
+from learner.methods import get_method
+from learner.returns import RewardStats, ScoredBatch, compute_advantages, shape_sequence_rewards
 from queues.messages import TrajectoryGroup
 
 
-def build_train_sequences(groups: list[TrajectoryGroup], algorithm: dict[str, Any]) -> list[TrainSequence]:
-    """Advantages for every trajectory, broadcast over its completion tokens."""
-    algo = get_algorithm(algorithm["name"])
-    G = len(groups[0].trajectories)
-    rewards = torch.tensor([t.reward for g in groups for t in g.trajectories], dtype=torch.float32)  # [N]
-    advantages = algo.group_advantages(rewards, G, algorithm).tolist()  # [N]
-    sequences = []
-    trajectories = [t for g in groups for t in g.trajectories]
-    for traj, adv in zip(trajectories, advantages):
-        sequences.append(
-            TrainSequence(
-                prompt_token_ids=traj.prompt_token_ids,
-                completion_token_ids=traj.completion_token_ids,
-                completion_mask=traj.completion_mask,
-                advantages=[adv] * len(traj.completion_token_ids),
-                sampler_logprobs=traj.sampler_logprobs,
-                policy_versions=traj.policy_versions,
-            )
+def build_train_sequences(groups: list[TrajectoryGroup]) -> list[TrainSequence]:
+    """One ``TrainSequence`` per trajectory, in group order; advantages are filled in later."""
+    return [
+        TrainSequence(
+            prompt_token_ids=t.prompt_token_ids,
+            completion_token_ids=t.completion_token_ids,
+            completion_mask=t.completion_mask,
+            advantages=[0.0] * len(t.completion_token_ids),
+            sampler_logprobs=t.sampler_logprobs,
+            policy_versions=t.policy_versions,
         )
-    return sequences
+        for g in groups
+        for t in g.trajectories
+    ]
 
 
-def shard_sequences(sequences: list[TrainSequence], ranks: int, micro_batch_size: int) -> list[LearnerShard]:
-    """Split a step's sequences evenly over ranks, each into the same number of micro-batches."""
-    if len(sequences) % ranks:
-        raise ValueError(f"{len(sequences)} sequences do not split evenly over {ranks} learner ranks")
-    per_rank = len(sequences) // ranks
+def scored_batch(groups: list[TrajectoryGroup], sequences: list[TrainSequence], kl_estimator: str | None) -> ScoredBatch:
+    """Tensors for the advantage step from the groups and their scored sequences."""
+    trajs = [t for g in groups for t in g.trajectories]
+    T = max(len(t.completion_token_ids) for t in trajs)
+    mask = pad_rows([t.completion_mask for t in trajs], T)
+    batch = ScoredBatch(
+        rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float),
+        mask=mask,
+        truncated=torch.tensor([t.finish_reason == "length" for t in trajs]),
+        group_size=len(groups[0].trajectories),
+    )
+    if sequences[0].old_values is not None:
+        batch.values = pad_rows([s.old_values for s in sequences], T)
+    if kl_estimator and sequences[0].ref_logprobs is not None:
+        old, ref = pad_rows([s.old_logprobs for s in sequences], T), pad_rows([s.ref_logprobs for s in sequences], T)
+        batch.kl = get_kl_estimator(kl_estimator)(old, ref, mask)
+    if trajs[0].step_rewards is not None:
+        batch.step_rewards, batch.step_end = torch.zeros((len(trajs), T)), torch.zeros((len(trajs), T))
+        for i, t in enumerate(trajs):
+            for end, reward in zip(t.step_end_tokens, t.step_rewards):
+                batch.step_rewards[i, end] = reward
+                batch.step_end[i, end] = 1.0
+    return batch
+
+
+def shard_sequences(
+    sequences: list[TrainSequence], ranks: int, micro_batch_size: int, minibatches: int = 1
+) -> list[LearnerShard]:
+    """Split a batch into ``minibatches`` optimizer steps, each evenly over ``ranks`` with the
+    same number of micro-batches on every rank, and global normalisers per minibatch."""
+    if len(sequences) % (ranks * minibatches):
+        raise ValueError(
+            f"{len(sequences)} sequences do not split evenly over {ranks} learner ranks x {minibatches} minibatches"
+        )
+    per_mb = len(sequences) // minibatches
+    per_rank = per_mb // ranks
     n_micro = math.ceil(per_rank / micro_batch_size)
-    num_tokens = float(sum(sum(s.completion_mask) for s in sequences))
-    max_len = max(len(s.completion_token_ids) for s in sequences)
-    shards = []
-    for r in range(ranks):
-        mine = sequences[r * per_rank : (r + 1) * per_rank]
-        size = math.ceil(per_rank / n_micro)
-        micro = [mine[i : i + size] for i in range(0, per_rank, size)]
-        shards.append(LearnerShard(micro, num_tokens=num_tokens, num_sequences=float(len(sequences)), max_len=max_len))
+    size = math.ceil(per_rank / n_micro)
+    shards = [LearnerShard(minibatches=[]) for _ in range(ranks)]
+    for m in range(minibatches):
+        chunk = sequences[m * per_mb : (m + 1) * per_mb]
+        num_tokens = float(sum(sum(s.completion_mask) for s in chunk))
+        max_len = max(len(s.completion_token_ids) for s in chunk)
+        for r, shard in enumerate(shards):
+            mine = chunk[r * per_rank : (r + 1) * per_rank]
+            micro = [mine[i : i + size] for i in range(0, per_rank, size)]
+            shard.minibatches.append(MiniBatch(micro, num_tokens, float(len(chunk)), max_len))
     return shards
 
 
@@ -64,31 +97,68 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     merged = {"loss": sum(m["loss"] for m in per_rank), "tokens": tokens}
     merged["learner_seconds"] = max(m["seconds"] for m in per_rank)
     for key in per_rank[0]:
-        if key not in merged and key not in ("seconds",):
-            if key == "grad_norm":
-                merged[key] = per_rank[0][key]
-            elif key.endswith("_max"):
-                merged[key] = max(m[key] for m in per_rank)
-            elif key.endswith("_min"):
-                merged[key] = min(m[key] for m in per_rank)
-            else:
-                merged[key] = sum(m[key] * m["tokens"] for m in per_rank) / max(tokens, 1)
+        if key in merged or key == "seconds":
+            continue
+        if key == "grad_norm":
+            merged[key] = per_rank[0][key]  # already global
+        elif key.endswith("_max"):
+            merged[key] = max(m[key] for m in per_rank)
+        elif key.endswith("_min"):
+            merged[key] = min(m[key] for m in per_rank)
+        else:
+            merged[key] = sum(m[key] * m["tokens"] for m in per_rank) / max(tokens, 1)
     return merged
 
 
 class LearnerGroup:
     """Drives the ranks (Ray actor handles of ``LearnerWorker``)."""
 
-    def __init__(self, workers: list, algorithm: dict[str, Any], micro_batch_size: int):
+    def __init__(self, workers: list, algorithm: dict[str, Any], micro_batch_size: int, max_tokens: int):
         self.workers = workers
         self.algorithm = algorithm
+        self.method = get_method(algorithm["name"])
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
+        self.reward_stats = RewardStats()
+        self.kl_beta = algorithm["kl"]["beta"] if algorithm["kl"]["placement"] != "none" else 0.0
+        self.needs_scoring = (
+            self.method.needs_critic
+            or algorithm["kl"]["placement"] != "none"
+            or algorithm["epochs"] * algorithm["minibatches"] > 1
+        )
 
     async def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        sequences = build_train_sequences(groups, self.algorithm)
-        shards = shard_sequences(sequences, len(self.workers), self.micro_batch_size)
-        results = [w.train_step.remote(s) for w, s in zip(self.workers, shards)]
-        return merge_rank_metrics([await r for r in results])
+        algo = self.algorithm
+        sequences = build_train_sequences(groups)
+        shards = shard_sequences(sequences, len(self.workers), self.micro_batch_size, algo["minibatches"])
+        if self.needs_scoring:
+            scores = await asyncio.gather(*[w.score.remote(s) for w, s in zip(self.workers, shards)])
+            for shard, per_seq in zip(shards, scores):
+                for seq, fields in zip(shard.sequences(), per_seq):
+                    seq.old_logprobs = fields["old_logprobs"]
+                    seq.ref_logprobs = fields.get("ref_logprobs")
+                    seq.old_values = fields.get("values")
+        kl_name = algo["kl"]["estimator"] if algo["kl"]["placement"] != "none" else None
+        batch = scored_batch(groups, sequences, kl_name)
+        rewards = shape_sequence_rewards(batch, algo, self.max_tokens, self.reward_stats)
+        advantages, returns = compute_advantages(self.method.advantage, batch, algo, rewards, self.kl_beta)
+        for i, seq in enumerate(sequences):
+            n = len(seq.completion_token_ids)
+            seq.advantages = advantages[i, :n].tolist()
+            if returns is not None:
+                seq.returns = returns[i, :n].tolist()
+        for shard in shards:
+            shard.epochs, shard.kl_beta = algo["epochs"], self.kl_beta
+        results = await asyncio.gather(*[w.train_step.remote(s) for w, s in zip(self.workers, shards)])
+        metrics = merge_rank_metrics(list(results))
+        metrics["advantage_abs_mean"] = float((advantages.abs() * batch.mask).sum() / batch.mask.sum())
+        if batch.kl is not None:
+            kl_mean = float((batch.kl * batch.mask).sum() / batch.mask.sum())
+            metrics.update(kl_ref_mean=kl_mean, kl_beta=self.kl_beta)
+            if algo["kl"]["adaptive"]:
+                self.kl_beta = adaptive_kl_beta(self.kl_beta, kl_mean, algo["kl"]["target"], len(sequences),
+                                                algo["kl"]["horizon"])
+        return metrics
 
     async def export_weights(self):
         """Every rank takes part (ZeRO-3 gathers); returns the ObjectRef of rank 0's weights."""

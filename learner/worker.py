@@ -13,8 +13,10 @@ import os
 import time
 from typing import Any
 
-from learner.batch import LearnerShard, completion_logprobs, pad_sequences
-from learner.objective import build_objective
+from learner.algorithms import value_loss
+from learner.batch import LearnerShard, at_completion, completion_logprobs, pad_sequences
+from learner.critic import build_value_model
+from learner.methods import build_objective, get_method, value_weights
 
 
 def deepspeed_config(learner: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -85,47 +87,109 @@ class LearnerWorker:
 
             ds_torch_comm.build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+        self.algorithm = algorithm
+        self.method = get_method(algorithm["name"])
+        self.engine = self._engine(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), learner, dtype)
+        self.critic = None
+        if self.method.needs_critic:
+            critic_cfg = algorithm["critic"]
+            value_model = build_value_model(critic_cfg["path"] or model_path, critic_cfg["init"], seed)
+            self.critic = self._engine(value_model, {**learner, "lr": critic_cfg["lr"]}, dtype)
+        self.reference = None
+        if algorithm["kl"]["placement"] != "none":
+            ref_path = algorithm["kl"]["reference_path"] or model_path
+            dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+            self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(self.device).eval()
+            self.reference.requires_grad_(False)
+        self.objective = build_objective(algorithm)
+        self.zero_stage = learner["zero_stage"]
+        print(f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
+              f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}", flush=True)
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def _engine(self, model, learner: dict[str, Any], dtype: str):
+        import deepspeed
+        import torch
+
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]), weight_decay=learner["weight_decay"]
         )
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(learner, dtype))
-        self.objective = build_objective(algorithm)
-        self.zero_stage = learner["zero_stage"]
-        print(f"[learner {self.rank}/{self.world_size}] ready: ZeRO-{self.zero_stage}, {dtype}", flush=True)
-        return {"rank": self.rank, "pid": os.getpid()}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(learner, dtype))
+        return engine
 
-    def _forward_logprobs(self, micro_batch):
+    def _forward_logprobs(self, micro_batch, with_entropy: bool = False):
         batch = pad_sequences(micro_batch, self.pad_id, self.device)
         logits = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return batch, completion_logprobs(logits, batch)
+        return batch, completion_logprobs(logits, batch, with_entropy=with_entropy)
+
+    def score(self, shard: LearnerShard) -> list[dict[str, list[float]]]:
+        """Before any update: per sequence, the log-probs under the current policy (the old
+        policy of this batch), the reference log-probs and the critic's values, as needed."""
+        import torch
+
+        out: list[dict[str, list[float]]] = []
+        self.engine.eval()
+        with torch.no_grad():
+            for mb in shard.minibatches:
+                for micro in mb.micro_batches:
+                    batch, old = self._forward_logprobs(micro)
+                    fields = {"old_logprobs": old}
+                    if self.reference is not None:
+                        ref_logits = self.reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+                        fields["ref_logprobs"] = completion_logprobs(ref_logits, batch)
+                    if self.critic is not None:
+                        values = self.critic(batch.input_ids, batch.attention_mask)  # [b, L]
+                        fields["values"] = at_completion(values, batch).float() * batch.completion_mask
+                    lengths = batch.completion_mask.sum(1).long().tolist()
+                    for i, n in enumerate(lengths):
+                        out.append({k: v[i, :n].tolist() for k, v in fields.items()})
+        return out
 
     def train_step(self, shard: LearnerShard) -> dict[str, float]:
-        """Forward/backward every micro-batch, then one optimizer step. Returns summed metrics."""
+        """Every epoch, every minibatch: forward/backward its micro-batches, one optimizer step
+        (and one critic step for PPO). Returns token-weighted mean metrics; ``loss`` is this
+        rank's share of the global loss (summed over minibatches and epochs)."""
         start = time.monotonic()
         self.engine.train()
         totals: dict[str, float] = {}
         tokens = 0
-        for micro_batch in shard.micro_batches:
-            batch, learner_logprobs = self._forward_logprobs(micro_batch)
-            loss, metrics = self.objective(learner_logprobs, batch, shard)
-            # DeepSpeed averages gradients over ranks; the loss is already a share of the
-            # global sum, so scale by world size to make the reduced gradient the global one.
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            n = float(batch.completion_mask.sum())
-            tokens += int(n)
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-            for key, value in metrics.items():  # token-weighted, summed across micro-batches
-                totals[key] = totals.get(key, 0.0) + float(value) * n
-        self.engine.step()
+        for _ in range(shard.epochs):
+            for mb in shard.minibatches:
+                for micro in mb.micro_batches:
+                    batch, (learner_logprobs, entropy) = self._forward_logprobs(micro, with_entropy=True)
+                    loss, metrics = self.objective(learner_logprobs, batch, mb, shard.kl_beta)
+                    # DeepSpeed averages gradients over ranks; the loss is already a share of the
+                    # global sum, so scale by world size to make the reduced gradient the global one.
+                    self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                    n = float(batch.completion_mask.sum())
+                    tokens += int(n)
+                    metrics["entropy"] = entropy.sum() / max(n, 1.0)
+                    if self.critic is not None:
+                        metrics.update(self._critic_backward(batch, mb))
+                    totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+                    for key, value in metrics.items():  # token-weighted, summed across micro-batches
+                        totals[key] = totals.get(key, 0.0) + float(value) * n
+                self.engine.step()
+                if self.critic is not None:
+                    self.critic.step()
         out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
-        out["tokens"] = tokens
+        out["tokens"] = tokens / shard.epochs
         out["seconds"] = time.monotonic() - start
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         return out
+
+    def _critic_backward(self, batch, minibatch) -> dict[str, float]:
+        self.critic.train()
+        values = at_completion(self.critic(batch.input_ids, batch.attention_mask), batch).float()  # [b, T]
+        weights = value_weights(batch, minibatch, self.algorithm)
+        clip = self.algorithm["critic"]["value_clip"]
+        loss, metrics = value_loss(values, batch.returns, batch.completion_mask, weights,
+                                   old_values=batch.old_values if clip else None, clip=clip)
+        self.critic.backward(loss * self.world_size, scale_wrt_gas=False)
+        return {"value_loss_share": float(loss.detach()), **{f"critic_{k}": v for k, v in metrics.items()}}
 
     def logprobs(self, micro_batch) -> list[list[float]]:
         """Log-probs of each sequence's completion under the current weights (no grad)."""

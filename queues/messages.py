@@ -32,6 +32,8 @@ class Trajectory:
     reward: float  # task reward (0.0 when the reward function failed)
     finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_tokens)
     completion_text: str  # the decoded completion, special tokens removed
+    step_rewards: list[float] | None = None  # process supervision: one reward per reasoning step
+    step_end_tokens: list[int] | None = None  # completion index of the token that ends each step
 
     @property
     def num_tokens(self) -> int:

@@ -96,3 +96,17 @@ def test_prompt_stream_epochs_are_seeded_shuffles():
 def test_tandem_command_is_installed():
     out = subprocess.run([sys.executable, "-m", "launch.cli", "config-reference"], capture_output=True, text=True)
     assert out.returncode == 0 and "| `learner.lr` |" in out.stdout
+
+
+def test_process_rewards_are_lists_placed_on_step_end_tokens():
+    from actors.rewards import score_steps, step_end_tokens
+
+    assert score_steps(lambda p, c, r: [0.5, -0.25], "p", "ab", {}) == (0.25, [0.5, -0.25], None)
+    assert score_steps(lambda p, c, r: [1.0, float("inf")], "p", "ab", {})[2].startswith("ValueError")
+    assert score(lambda p, c, r: [1.0], "p", "c", {})[1].startswith("ValueError: reward function returned a list")
+    # Tokens "ab", "\n", "c", "d\n", "e": steps end after each newline and at the end of the text.
+    pieces = ["ab", "\n", "c", "d\n", "e"]
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    assert step_end_tokens([0, 1, 2, 3, 4], decode, "\n") == [1, 3, 4]
+    assert step_end_tokens([0, 1, 2, 3], decode, "\n") == [1, 3]  # text ends with the delimiter
+    assert step_end_tokens([0, 2], decode, "") == [0, 0, 1]  # every character: a, b (token 0), c (token 1)

@@ -43,7 +43,7 @@ def test_missing_and_invalid_values():
 
 
 def test_cross_field_rule_batch_splits_over_ranks():
-    with pytest.raises(ConfigError, match="resources.learner.ranks = 3"):
+    with pytest.raises(ConfigError, match="resources.learner.ranks x algorithm.minibatches = 3 x 1"):
         load_config(None, REQUIRED + ["resources.learner.ranks=3"])  # 16 x 8 = 128 is not a multiple of 3
 
 

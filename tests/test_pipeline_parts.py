@@ -11,7 +11,9 @@ import torch
 from cluster.weights import LocalWeightChannel, WeightsTimeout
 from launch.stepping import BatchCollector, Pace
 from learner.batch import completion_logprobs, pad_sequences
-from learner.group import build_train_sequences, merge_rank_metrics, shard_sequences
+from launch.config import load_config
+from learner.group import build_train_sequences, merge_rank_metrics, scored_batch, shard_sequences
+from learner.returns import RewardStats, compute_advantages, shape_sequence_rewards
 from queues.bounded import LocalQueue, QueueTimeout
 from tests.fakes import make_group, make_sequence
 
@@ -71,24 +73,37 @@ def test_collector_drops_too_stale_groups_and_counts_them():
     assert batch.staleness == {0: 6, 1: 6}  # per token: 2 sequences x 3 tokens each
 
 
-def test_train_sequences_carry_group_advantages():
-    groups = [make_group(0, [1.0, 0.0]), make_group(1, [0.5, 0.5])]
-    seqs = build_train_sequences(groups, {"name": "grpo", "advantage_eps": 1e-6})
+def test_grpo_advantages_from_groups_cover_every_completion_token():
+    groups = [make_group(0, [1.0, 0.0], completion_len=3), make_group(1, [0.5, 0.5], completion_len=2)]
+    seqs = build_train_sequences(groups)
+    batch = scored_batch(groups, seqs, kl_estimator=None)
+    algo = load_config(None, ["model.path=m", "data.prompts=p", "reward.function=r"]).algorithm.model_dump()
+    rewards = shape_sequence_rewards(batch, algo, max_tokens=4, stats=RewardStats())
+    advantages, returns = compute_advantages("grpo", batch, algo, rewards, kl_beta=0.0)
     # group 0: mean 0.5, population std 0.5 -> (1 - 0.5)/0.5 = 1, -1; group 1: identical -> 0
-    assert [s.advantages[0] for s in seqs] == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
-    assert all(len(s.advantages) == len(s.completion_token_ids) for s in seqs)
+    expected = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
+    assert returns is None
 
 
 def test_shards_are_even_with_equal_micro_batch_counts_and_global_normalisers():
     rng = random.Random(0)
     seqs = [make_sequence(rng, 3, rng.randint(1, 6)) for _ in range(10)]
     shards = shard_sequences(seqs, ranks=2, micro_batch_size=2)
-    assert [len(s.micro_batches) for s in shards] == [3, 3]  # 5 per rank in micro-batches of <= 2
-    assert sum(len(mb) for s in shards for mb in s.micro_batches) == 10
-    assert all(s.num_tokens == sum(len(x.completion_token_ids) for x in seqs) for s in shards)
-    assert all(s.num_sequences == 10 and s.max_len == max(len(x.completion_token_ids) for x in seqs) for s in shards)
+    mbs = [s.minibatches[0] for s in shards]
+    assert [len(mb.micro_batches) for mb in mbs] == [3, 3]  # 5 per rank in micro-batches of <= 2
+    assert sum(len(micro) for mb in mbs for micro in mb.micro_batches) == 10
+    assert all(mb.num_tokens == sum(len(x.completion_token_ids) for x in seqs) for mb in mbs)
+    assert all(mb.num_sequences == 10 and mb.max_len == max(len(x.completion_token_ids) for x in seqs) for mb in mbs)
     with pytest.raises(ValueError, match="do not split evenly"):
         shard_sequences(seqs, ranks=3, micro_batch_size=2)
+    # Two minibatches: each optimizer step has its own global normaliser over its 5 sequences.
+    two = shard_sequences(seqs, ranks=1, micro_batch_size=8, minibatches=2)[0]
+    assert [mb.num_tokens for mb in two.minibatches] == [
+        float(sum(len(x.completion_token_ids) for x in seqs[:5])),
+        float(sum(len(x.completion_token_ids) for x in seqs[5:])),
+    ]
+    assert two.sequences() == seqs
 
 
 def test_merged_metrics_sum_loss_and_weight_by_tokens():
