@@ -109,6 +109,7 @@ class GenerationActor:
         return SamplingParams(
             n=n,
             max_tokens=self.rollout["max_tokens"],
+            min_tokens=self.rollout["min_tokens"],
             temperature=self.rollout["temperature"],
             top_p=self.rollout["top_p"],
             logprobs=0,  # the sampled token's logprob

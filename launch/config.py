@@ -53,6 +53,7 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(16, gt=0, description="Prompts in one training batch.")
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative.")
     max_tokens: int = Field(16, gt=0, description="Longest completion, in tokens; longer ones are truncated.")
+    min_tokens: int = Field(0, ge=0, description="Tokens sampled before EOS is allowed (1 forbids empty answers).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     prompts_per_request: int = Field(

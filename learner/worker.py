@@ -9,6 +9,7 @@ Face parameter name for the weight channel.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from typing import Any
@@ -83,9 +84,8 @@ class LearnerWorker:
         if not cuda:
             # DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU at start (20-45 s of g++),
             # and with it loaded ZeRO-3 runs sometimes aborted at exit; gloo alone is enough here.
-            import deepspeed.comm.torch as ds_torch_comm
-
-            ds_torch_comm.build_shm_op = lambda: None
+            # (importlib: the package attribute deepspeed.comm.torch is PyTorch itself, not the submodule)
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
         self.algorithm = algorithm

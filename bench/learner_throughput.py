@@ -1,0 +1,215 @@
+"""Learner throughput: Tandem's learner rank vs a bare DeepSpeed step, side by side in one run.
+
+A: one ``LearnerWorker`` (Ray actor with ``learner_rank_options``), set up as Tandem
+   does, timed around ``train_step(shard)`` on a fixed shard of synthetic trajectories
+   (the shard crosses Ray every call, as in a run): padding, forward, the GRPO/PPO-clip
+   objective, backward per micro-batch, one optimizer step, metrics.
+B: a plain Ray actor with the same options holding a DeepSpeed engine built from the
+   same model, the same DeepSpeed config (``learner.worker.deepspeed_config``) and torch
+   AdamW, timed around: for each micro-batch (same padded tensors, built once) forward,
+   ``-(logprob * advantage).sum() / n`` with plain log_softmax/gather, backward; then step.
+
+Tokens/s counts prompt + completion tokens (padding excluded), the same on both sides.
+Rounds alternate A B A B; the table gives medians. Read the last line:
+``RATIO learner / bare DeepSpeed`` (round-trip tokens/s, goal >= 0.9). ``in-actor tok/s``
+uses each side's own timing of its step; ``outside s`` is Ray transfer plus anything
+done around the step.
+
+    .venv/bin/python bench/learner_throughput.py [--sequences 128 --micro-batch-size 64 --rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+from pathlib import Path
+
+from _common import interleave, print_table, start_ray, timed
+
+
+class BareDeepSpeed:
+    """DeepSpeed with nothing around it: the baseline the learner rank is measured against."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def free_port(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(
+        self, port: int, model_path: str, learner: dict, dtype: str, seed: int, micro_batches: list, num_tokens: float
+    ) -> None:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1"
+        )
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from learner.worker import deepspeed_config
+
+        # No patching: the learner rank's attempt to skip DeepSpeed's shared-memory comm op does not
+        # take effect (see bench/README.md), so plain DeepSpeed matches what it really runs.
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]), weight_decay=learner["weight_decay"]
+        )
+        config = deepspeed_config(learner, dtype)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.micro_batches = micro_batches
+        self.num_tokens = num_tokens  # trained tokens in the whole step: the loss normaliser
+
+    def train_step(self) -> float:
+        """One optimizer step over all micro-batches; returns its seconds."""
+        import time
+
+        import torch
+
+        start = time.perf_counter()
+        self.engine.train()
+        for mb in self.micro_batches:
+            ids = mb["input_ids"]  # [b, L]
+            logits = self.engine(input_ids=ids, attention_mask=mb["attention_mask"]).logits  # [b, L, V]
+            # log pi(x_{j+1} | x_<=j) at every position; weights are zero off completion tokens
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None]).squeeze(-1)
+            loss = -(logp * mb["weights"]).sum() / self.num_tokens  # weights = advantage * completion mask
+            self.engine.backward(loss)
+        self.engine.step()
+        return time.perf_counter() - start
+
+
+def make_sequences(n: int, prompt_len: int, min_completion: int, max_completion: int, seed: int):
+    """Synthetic trajectories: random token ids (4..55: the tiny vocab minus special tokens),
+    one random advantage per sequence broadcast over its completion, as GRPO gives."""
+    from learner.batch import TrainSequence
+
+    rng = random.Random(seed)
+    sequences = []
+    for _ in range(n):
+        c = rng.randint(min_completion, max_completion)
+        sequences.append(
+            TrainSequence(
+                prompt_token_ids=[rng.randrange(4, 56) for _ in range(prompt_len)],
+                completion_token_ids=[rng.randrange(4, 56) for _ in range(c)],
+                completion_mask=[1] * c,
+                advantages=[rng.gauss(0.0, 1.0)] * c,
+                sampler_logprobs=[-4.0 * rng.random() for _ in range(c)],
+                policy_versions=[0] * c,
+            )
+        )
+    return sequences
+
+
+def bare_micro_batch(seqs, pad_id: int) -> dict:
+    """Right-padded ``input_ids``/``attention_mask`` [b, L] and per-target-position ``weights``
+    [b, L-1] (advantage where position j+1 is a trained completion token, else 0)."""
+    import torch
+
+    L = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs)
+    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    weights = torch.zeros((len(seqs), L - 1))
+    for i, s in enumerate(seqs):
+        p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
+        input_ids[i, : p + c] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
+        attention_mask[i, : p + c] = 1
+        weights[i, p - 1 : p + c - 1] = torch.tensor(s.advantages) * torch.tensor(s.completion_mask, dtype=torch.float)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "weights": weights}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=128, help="sequences in the step")
+    parser.add_argument("--prompt-len", type=int, default=8)
+    parser.add_argument("--min-completion", type=int, default=32)
+    parser.add_argument("--max-completion", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's (64)")
+    parser.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's")
+    parser.add_argument("--rounds", type=int, default=15, help="timed steps per contestant (A B A B ...)")
+    parser.add_argument(
+        "--pin-core", type=int, default=None, help="pin both contestants' processes to this core (default: unpinned)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model-dir", default=str(Path.home() / ".cache" / "tandem" / "models" / "tiny-qwen2"))
+    args = parser.parse_args()
+
+    import ray
+
+    from actors.tiny_model import build_tiny_model, tiny_vocab
+    from cluster.placement import learner_rank_options
+    from launch.config import TandemConfig
+    from learner.group import shard_sequences
+    from learner.worker import LearnerWorker
+
+    model_path = str(build_tiny_model(args.model_dir).resolve())
+    learner_overrides = {}
+    if args.micro_batch_size:
+        learner_overrides["micro_batch_size"] = args.micro_batch_size
+    if args.zero_stage is not None:
+        learner_overrides["zero_stage"] = args.zero_stage
+    cfg = TandemConfig.model_validate(
+        {
+            "model": {"path": model_path, "dtype": args.dtype},
+            "data": {"prompts": "bench"},
+            "reward": {"function": "bench"},
+            "learner": learner_overrides,
+        }
+    )
+    learner, seed = cfg.learner.model_dump(), cfg.run.seed
+    options = learner_rank_options(cfg.resources.learner.model_dump())
+
+    sequences = make_sequences(args.sequences, args.prompt_len, args.min_completion, args.max_completion, seed)
+    shard = shard_sequences(sequences, 1, learner["micro_batch_size"])[0]
+    pad_id = tiny_vocab()["<pad>"]
+    step = shard.minibatches[0]  # one optimizer step
+    bare_batches = [bare_micro_batch(mb, pad_id) for mb in step.micro_batches]  # the same micro-batches
+    step_tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in sequences)
+
+    start_ray()
+    log_dir = tempfile.mkdtemp(prefix="bench-learner-")
+    worker = ray.remote(LearnerWorker).options(**options).remote(0, 1, os.path.join(log_dir, "learner-0.log"))
+    bare = ray.remote(BareDeepSpeed).options(**options).remote()
+    addr, port = ray.get(worker.rendezvous_address.remote())
+    info = ray.get(worker.setup.remote(addr, port, model_path, learner, cfg.algorithm.model_dump(), args.dtype, seed))
+    bare_port = ray.get(bare.free_port.remote())
+    ray.get(bare.setup.remote(bare_port, model_path, learner, args.dtype, seed, bare_batches, step.num_tokens))
+
+    if args.pin_core is not None:  # same core for both: they meet the same neighbours
+        for pid in (info["pid"], ray.get(bare.pid.remote())):
+            for tid in os.listdir(f"/proc/{pid}/task"):  # every thread: affinity is per thread
+                os.sched_setaffinity(int(tid), {args.pin_core})
+
+    def run_learner() -> tuple[int, float]:
+        metrics = ray.get(worker.train_step.remote(shard))
+        return step_tokens, metrics["seconds"]
+
+    def run_bare() -> tuple[int, float]:
+        return step_tokens, ray.get(bare.train_step.remote())
+
+    print(f"warm-up; logs in {log_dir}", flush=True)
+    for _ in range(2):
+        run_learner(), run_bare()
+
+    n_micro = len(step.micro_batches)
+    print(
+        f"{args.rounds} rounds: {args.sequences} sequences ({step_tokens} tokens) in {n_micro} micro-batches of "
+        f"<= {learner['micro_batch_size']}, ZeRO-{learner['zero_stage']}, {args.dtype}"
+        + (f", both pinned to core {args.pin_core}" if args.pin_core is not None else ""),
+        flush=True,
+    )
+    rounds = interleave(lambda: timed(run_learner), lambda: timed(run_bare), args.rounds)
+    ratio = print_table(("learner rank (A)", "bare DeepSpeed (B)"), rounds)
+    print(f"RATIO learner / bare DeepSpeed: {ratio:.2f} (goal >= 0.9)")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
