@@ -15,8 +15,9 @@ import sys
 import time
 from typing import Any
 
-from actors.rewards import load_reward_function, score, score_steps, step_end_tokens
-from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
+from actors.rewards import load_reward_function
+from actors.scoring import GroupBuilder, Sample
+from queues.messages import PromptRequest, TrajectoryGroup
 
 
 def redirect_output(log_path: str | None) -> None:
@@ -59,8 +60,6 @@ class GenerationActor:
         self.name = name
         self.rollout = rollout
         self.seed = seed
-        self.step_delimiter = step_delimiter
-        self.reward_fn = load_reward_function(reward_function)
         memory = (
             {"gpu_memory_utilization": engine["gpu_memory_utilization"]}
             if torch.cuda.is_available()
@@ -75,6 +74,9 @@ class GenerationActor:
             worker_extension_cls="actors.vllm_worker.WeightReceiver",
             **memory,
         )
+        tokenizer = self.llm.get_tokenizer()
+        self.builder = GroupBuilder(name, load_reward_function(reward_function),
+                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), step_delimiter)
         self.version = 0  # policy version of the weights now loaded
         self.weight_loads = 0
         self.weight_wait_s = 0.0  # time spent waiting for / loading weights
@@ -124,61 +126,21 @@ class GenerationActor:
         params = [self.sampling_params(r.prompt_id, G) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - start
-        return [self._to_group(req, out, elapsed) for req, out in zip(requests, outputs)]
+        return [self.builder.group(req, self._samples(out), elapsed) for req, out in zip(requests, outputs)]
 
-    def _to_group(self, request: PromptRequest, output, elapsed: float) -> TrajectoryGroup:
-        trajectories, errors, first_error = [], 0, None
+    def _samples(self, output) -> list[Sample]:
+        samples = []
         for completion in output.outputs:
             ids = list(completion.token_ids)
-            logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs)]
-            reward, steps, ends, error = self._score(request, completion.text, ids)
-            if error is not None:
-                errors += 1
-                first_error = first_error or error
-            trajectories.append(
-                Trajectory(
-                    prompt_token_ids=list(output.prompt_token_ids),
-                    completion_token_ids=ids,
-                    completion_mask=[1] * len(ids),
-                    sampler_logprobs=logprobs,
-                    policy_versions=[self.version] * len(ids),
-                    reward=reward,
-                    finish_reason="length" if completion.finish_reason == "length" else "stop",
-                    completion_text=completion.text,
-                    step_rewards=steps,
-                    step_end_tokens=ends,
-                )
-            )
-        if first_error:
-            print(f"[{self.name}] reward function failed on prompt {request.prompt_id}: {first_error}", flush=True)
-        return TrajectoryGroup(
-            prompt_id=request.prompt_id,
-            row=request.row,
-            trajectories=trajectories,
-            actor_name=self.name,
-            reward_errors=errors,
-            first_reward_error=first_error,
-            generate_seconds=elapsed,
-        )
-
-    def _score(self, request: PromptRequest, text: str, ids: list[int]):
-        """``(reward, step_rewards, step_end_tokens, error)``; steps only for process supervision."""
-        prompt, row = request.row["prompt"], request.row
-        if self.step_delimiter is None:
-            reward, error = score(self.reward_fn, prompt, text, row)
-            return reward, None, None, error
-        reward, steps, error = score_steps(self.reward_fn, prompt, text, row)
-        if error is None and steps is None:  # a single score: one step, ending at the last token
-            return reward, [reward], [len(ids) - 1], None
-        ends = step_end_tokens(ids, self._decode, self.step_delimiter) if ids else []
-        if error is None and len(steps) != len(ends):
-            error = f"ValueError: reward function gave {len(steps)} step rewards for {len(ends)} steps"
-        if error is not None or not ids:
-            return 0.0, [], [], error
-        return reward, steps, ends, None
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+            samples.append(Sample(
+                prompt_token_ids=list(output.prompt_token_ids),
+                token_ids=ids,
+                logprobs=[step[tok].logprob for tok, step in zip(ids, completion.logprobs)],
+                versions=[self.version] * len(ids),
+                finish_reason="length" if completion.finish_reason == "length" else "stop",
+                text=completion.text,
+            ))
+        return samples
 
     def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed completion under the loaded weights (for checks and tests)."""

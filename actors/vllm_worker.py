@@ -12,3 +12,12 @@ class WeightReceiver:
         """Load new weights in place (vLLM maps HF names, e.g. q/k/v into qkv_proj)."""
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         return len(named_tensors)
+
+    def load_weights_blob(self, blob: bytes) -> int:
+        """The same from safetensors bytes: across the engine's process boundary, RPC
+        arguments are msgpack-encoded and tensors would not survive."""
+        from safetensors.torch import load
+
+        named = load(blob)
+        self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+        return len(named)

@@ -86,11 +86,12 @@ def _as_future(ref):
 async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog) -> list:
     import ray
 
+    from actors.async_generation import AsyncGenerationActor
     from actors.generation import GenerationActor
 
     placement = cfg.resources.actors.model_dump()
     engine = cfg.engine.model_dump()
-    Actor = ray.remote(GenerationActor)
+    Actor = ray.remote(AsyncGenerationActor if cfg.rollout.weight_update == "inflight" else GenerationActor)
     actors, names, logs = [], [], []
     for i in range(cfg.resources.actors.count):
         name = f"actor-{i}"

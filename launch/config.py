@@ -59,6 +59,14 @@ class RolloutConfig(Section):
     prompts_per_request: int = Field(
         8, gt=0, description="Prompts an actor takes from the prompt queue per vLLM generate call."
     )
+    weight_update: Literal["between_requests", "inflight"] = Field(
+        "between_requests",
+        description="between_requests: generate calls finish on the weights they started with; inflight: the "
+        "async engine pauses mid-generation, loads new weights and resumes (per-token versions).",
+    )
+    max_inflight_prompts: int = Field(
+        16, gt=0, description="Prompts an inflight actor keeps generating at once (continuous batching)."
+    )
 
 
 class EngineConfig(Section):
