@@ -44,6 +44,7 @@ class AsyncGenerationActor:
         self.version = 0
         self.weight_loads = 0
         self.weight_wait_s = 0.0
+        self._unreported_wait_s = 0.0
         self._update_lock = asyncio.Lock()
 
     async def ready(self) -> dict[str, Any]:
@@ -91,6 +92,12 @@ class AsyncGenerationActor:
             if version > self.version:
                 await self.load_weights(named, version, mode)
         self.weight_wait_s += time.monotonic() - start
+        self._unreported_wait_s += time.monotonic() - start
+
+    def _take_wait(self) -> float:
+        """Weight wait since the last pushed group (reported with the next one)."""
+        wait, self._unreported_wait_s = self._unreported_wait_s, 0.0
+        return wait
 
     # --- generation ----------------------------------------------------------------
     async def _sample(self, prompt: str, seed: int) -> Sample:
@@ -151,7 +158,9 @@ class AsyncGenerationActor:
             finished, _ = await asyncio.wait(inflight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
             for task in finished:
                 inflight.discard(task)
-                await results_queue.put_many_async([task.result()], timeout=timeouts["data_s"])
+                group = task.result()
+                group.weight_wait_s = self._take_wait()
+                await results_queue.put_many_async([group], timeout=timeouts["data_s"])
                 done_groups += 1
         for task in inflight:
             task.cancel()

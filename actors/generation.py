@@ -80,6 +80,7 @@ class GenerationActor:
         self.version = 0  # policy version of the weights now loaded
         self.weight_loads = 0
         self.weight_wait_s = 0.0  # time spent waiting for / loading weights
+        self._unreported_wait_s = 0.0
         print(f"[{name}] engine ready ({model_path}, {dtype})", flush=True)
 
     def ready(self) -> dict[str, Any]:
@@ -103,6 +104,12 @@ class GenerationActor:
             if version > self.version:
                 self.load_weights(named, version)
         self.weight_wait_s += time.monotonic() - start
+        self._unreported_wait_s += time.monotonic() - start
+
+    def _take_wait(self) -> float:
+        """Weight wait since the last pushed group (reported with the next one)."""
+        wait, self._unreported_wait_s = self._unreported_wait_s, 0.0
+        return wait
 
     # --- generation ----------------------------------------------------------------
     def sampling_params(self, prompt_id: int, n: int):
@@ -164,6 +171,7 @@ class GenerationActor:
                 continue
             self.sync_weights(channel, max(r.min_version for r in requests), timeouts["weights_s"])
             groups = self.generate(requests)
+            groups[0].weight_wait_s = self._take_wait()
             results_queue.put_many(groups, timeout=timeouts["data_s"])
             groups_done += len(groups)
         return {"name": self.name, "groups": groups_done, "weight_loads": self.weight_loads}

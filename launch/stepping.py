@@ -88,6 +88,7 @@ class BatchCollector:
                         f"step {step}: only {len(batch.groups)} of {num_groups} prompt groups arrived in "
                         f"{self.timeout:.0f}s (run.data_timeout_s); see the actor logs in {self.run.logs}"
                     )
+        batch.groups.sort(key=lambda g: g.prompt_id)  # arrival order must not change the result
         for group in batch.groups:
             for traj in group.trajectories:
                 batch.staleness.update(step - v for v in traj.policy_versions)
@@ -96,6 +97,8 @@ class BatchCollector:
 
     def check_actors(self) -> None:
         """An actor loop only returns after shutdown; one that has ended now has failed."""
+        if not self.actor_loops:
+            return
         import ray
 
         done, _ = ray.wait(list(self.actor_loops), num_returns=len(self.actor_loops), timeout=0)
@@ -129,6 +132,7 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "staleness_hist": hist,
         "dropped_stale": batch.dropped,
         "learner_wait_s": batch.wait_s,
+        "actor_weight_wait_s": sum(g.weight_wait_s for g in batch.groups),
         "step_seconds": step_seconds,
         "tokens_per_s": total_tokens / step_seconds if step_seconds > 0 else 0.0,
         **{f"learner/{k}": v for k, v in learner.items()},

@@ -7,7 +7,7 @@ trains on the groups. Every field that crosses a process boundary is declared he
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -51,7 +51,7 @@ class TrajectoryGroup:
     reward_errors: int = 0  # completions whose reward function raised (scored 0)
     first_reward_error: str | None = None  # "ExceptionType: message" of the first one
     generate_seconds: float = 0.0  # wall time of the generate call that produced it
-    extras: dict[str, float] = field(default_factory=dict)
+    weight_wait_s: float = 0.0  # time its actor spent waiting for/loading weights since its previous group
 
     @property
     def oldest_version(self) -> int:

@@ -61,5 +61,5 @@ def test_readme_config_reference_is_in_sync():
     block = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", readme, re.S)
     assert block, "README.md lacks the config reference markers"
     assert block.group(1).strip() == config_reference().strip(), (
-        "README config reference is stale: regenerate it with `tandem config-reference`"
+        "README config reference is stale: regenerate it with `python -m launch.docs`"
     )
