@@ -164,6 +164,7 @@ class AsyncGenerationActor:
                 done_groups += 1
         for task in inflight:
             task.cancel()
+        self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
         return {"name": self.name, "groups": done_groups, "weight_loads": self.weight_loads}
 
     def stats(self) -> dict[str, float]:

@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--min-completion", type=int, default=32)
     parser.add_argument("--max-completion", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's (64)")
+    parser.add_argument("--token-budget", type=int, default=None, help="default: the config's (4096)")
     parser.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's")
     parser.add_argument("--rounds", type=int, default=15, help="timed steps per contestant (A B A B ...)")
     parser.add_argument(
@@ -151,8 +151,8 @@ def main() -> None:
 
     model_path = str(build_tiny_model(args.model_dir).resolve())
     learner_overrides = {}
-    if args.micro_batch_size:
-        learner_overrides["micro_batch_size"] = args.micro_batch_size
+    if args.token_budget:
+        learner_overrides["token_budget"] = args.token_budget
     if args.zero_stage is not None:
         learner_overrides["zero_stage"] = args.zero_stage
     cfg = TandemConfig.model_validate(
@@ -167,7 +167,7 @@ def main() -> None:
     options = learner_rank_options(cfg.resources.learner.model_dump())
 
     sequences = make_sequences(args.sequences, args.prompt_len, args.min_completion, args.max_completion, seed)
-    shard = shard_sequences(sequences, 1, learner["micro_batch_size"])[0]
+    shard = shard_sequences(sequences, 1, learner["token_budget"])[0]
     pad_id = tiny_vocab()["<pad>"]
     step = shard.minibatches[0]  # one optimizer step
     bare_batches = [bare_micro_batch(mb, pad_id) for mb in step.micro_batches]  # the same micro-batches
@@ -201,7 +201,7 @@ def main() -> None:
     n_micro = len(step.micro_batches)
     print(
         f"{args.rounds} rounds: {args.sequences} sequences ({step_tokens} tokens) in {n_micro} micro-batches of "
-        f"<= {learner['micro_batch_size']}, ZeRO-{learner['zero_stage']}, {args.dtype}"
+        f"<= {learner['token_budget']} tokens, ZeRO-{learner['zero_stage']}, {args.dtype}"
         + (f", both pinned to core {args.pin_core}" if args.pin_core is not None else ""),
         flush=True,
     )

@@ -140,7 +140,7 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog):
         for w in workers
     ]
     await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
-    return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.micro_batch_size, cfg.rollout.max_tokens)
+    return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.token_budget, cfg.rollout.max_tokens)
 
 
 def quiet_environment() -> None:

@@ -82,7 +82,9 @@ class LearnerConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
-    micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward on each rank.")
+    token_budget: int = Field(
+        4096, gt=0, description="Tokens per packed micro-batch (one forward/backward); a longer sequence gets its own."
+    )
 
 
 METHODS = ("reinforce", "rloo", "grpo", "grpo_process", "dr_grpo", "gspo", "cispo", "ppo")
@@ -116,6 +118,16 @@ class SoftOverlongConfig(Section):
     factor: float = Field(1.0, ge=0, description="Penalty at the length limit (ramps linearly from 0).")
 
 
+class TISConfig(Section):
+    mode: Literal["none", "truncate", "mask"] = Field(
+        "truncate", description="Sampler/learner correction: weight min(rho, cap), drop tokens outside [1/cap, cap], or none."
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Ratio per token, or per sequence (geometric mean of its token ratios)."
+    )
+    cap: float = Field(2.0, gt=1, description="C: the truncation cap (and the mask's band [1/C, C]).")
+
+
 class AlgorithmConfig(Section):
     name: Literal[METHODS] = Field("grpo", description="Method: " + ", ".join(METHODS) + ".")  # type: ignore[valid-type]
     loss_aggregation: Literal["token_mean", "seq_mean", "fixed_length"] | None = Field(
@@ -131,8 +143,8 @@ class AlgorithmConfig(Section):
     advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
     whiten_advantages: bool = Field(False, description="Whiten advantages over the batch (masked).")
     normalise_rewards: bool = Field(False, description="Scale rewards to zero mean, unit variance with running stats.")
-    whiten_rewards: Literal["off", "whiten", "whiten_keep_mean"] = Field(
-        "off", description="Whiten rewards over the batch; whiten_keep_mean adds the mean back."
+    whiten_rewards: Literal["none", "whiten", "whiten_keep_mean"] = Field(
+        "none", description="Whiten rewards over the batch; whiten_keep_mean adds the mean back."
     )
     truncation_penalty: float | None = Field(
         None, description="Reward given instead of the score to a completion cut at max_tokens (off if empty)."
@@ -143,6 +155,7 @@ class AlgorithmConfig(Section):
     step_delimiter: str = Field(
         "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
     )
+    tis: TISConfig = Field(default_factory=TISConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
@@ -195,12 +208,11 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "TandemConfig":
         batch = self.rollout.prompts_per_step * self.rollout.group_size
-        ranks, minibatches = self.resources.learner.ranks, self.algorithm.minibatches
-        if batch % (ranks * minibatches):
+        minibatches = self.algorithm.minibatches
+        if batch < minibatches:
             raise ValueError(
-                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences do not split evenly over "
-                f"resources.learner.ranks x algorithm.minibatches = {ranks} x {minibatches}; "
-                f"choose values whose product is a multiple of {ranks * minibatches}"
+                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences cannot fill "
+                f"algorithm.minibatches = {minibatches} optimizer steps; lower algorithm.minibatches"
             )
         algo = self.algorithm
         if algo.name == "grpo_process" and algo.kl.placement == "reward":

@@ -1,8 +1,9 @@
 """The learner group: the driver's handle on all data-parallel learner ranks.
 
 One training step over a batch of scored trajectory groups:
-  1. split the sequences into minibatches (one optimizer step each), each spread evenly
-     over the ranks in equal numbers of micro-batches, with its global normalisers;
+  1. split the sequences into minibatches (one optimizer step each), each balanced over
+     the ranks by tokens and packed into equal numbers of micro-batches per rank, with its
+     global normalisers;
   2. if the method needs them, ask every rank for the old-policy log-probs, reference
      log-probs and critic values of its sequences (``score``);
   3. compute advantages over the WHOLE batch here (group baselines need whole groups,
@@ -21,6 +22,7 @@ import torch
 from learner.algorithms import adaptive_kl_beta, get_kl_estimator
 from learner.batch import LearnerShard, MiniBatch, TrainSequence, pad_rows
 from learner.methods import get_method
+from learner.packing import plan_micro_batches
 from learner.returns import RewardStats, ScoredBatch, compute_advantages, shape_sequence_rewards
 from queues.messages import TrajectoryGroup
 
@@ -67,26 +69,21 @@ def scored_batch(groups: list[TrajectoryGroup], sequences: list[TrainSequence], 
 
 
 def shard_sequences(
-    sequences: list[TrainSequence], ranks: int, micro_batch_size: int, minibatches: int = 1
+    sequences: list[TrainSequence], ranks: int, token_budget: int, minibatches: int = 1
 ) -> list[LearnerShard]:
-    """Split a batch into ``minibatches`` optimizer steps, each evenly over ``ranks`` with the
-    same number of micro-batches on every rank, and global normalisers per minibatch."""
-    if len(sequences) % (ranks * minibatches):
-        raise ValueError(
-            f"{len(sequences)} sequences do not split evenly over {ranks} learner ranks x {minibatches} minibatches"
-        )
-    per_mb = len(sequences) // minibatches
-    per_rank = per_mb // ranks
-    n_micro = math.ceil(per_rank / micro_batch_size)
-    size = math.ceil(per_rank / n_micro)
+    """Split a batch into ``minibatches`` optimizer steps (contiguous ranges), each balanced
+    over ``ranks`` by tokens and packed into micro-batches of at most ``token_budget`` tokens,
+    the same number on every rank; normalisers are global per minibatch."""
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in sequences]
+    plan = plan_micro_batches(lengths, ranks, token_budget, minibatches)  # [rank][minibatch][micro] -> indices
     shards = [LearnerShard(minibatches=[]) for _ in range(ranks)]
     for m in range(minibatches):
-        chunk = sequences[m * per_mb : (m + 1) * per_mb]
+        in_step = [i for micro in (p for rank_plan in plan for p in rank_plan[m]) for i in micro]
+        chunk = [sequences[i] for i in sorted(in_step)]
         num_tokens = float(sum(sum(s.completion_mask) for s in chunk))
         max_len = max(len(s.completion_token_ids) for s in chunk)
         for r, shard in enumerate(shards):
-            mine = chunk[r * per_rank : (r + 1) * per_rank]
-            micro = [mine[i : i + size] for i in range(0, per_rank, size)]
+            micro = [[sequences[i] for i in indices] for indices in plan[r][m]]
             shard.minibatches.append(MiniBatch(micro, num_tokens, float(len(chunk)), max_len))
     return shards
 
@@ -113,11 +110,11 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 class LearnerGroup:
     """Drives the ranks (Ray actor handles of ``LearnerWorker``)."""
 
-    def __init__(self, workers: list, algorithm: dict[str, Any], micro_batch_size: int, max_tokens: int):
+    def __init__(self, workers: list, algorithm: dict[str, Any], token_budget: int, max_tokens: int):
         self.workers = workers
         self.algorithm = algorithm
         self.method = get_method(algorithm["name"])
-        self.micro_batch_size = micro_batch_size
+        self.token_budget = token_budget
         self.max_tokens = max_tokens
         self.reward_stats = RewardStats()
         self.kl_beta = algorithm["kl"]["beta"] if algorithm["kl"]["placement"] != "none" else 0.0
@@ -130,7 +127,7 @@ class LearnerGroup:
     async def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         algo = self.algorithm
         sequences = build_train_sequences(groups)
-        shards = shard_sequences(sequences, len(self.workers), self.micro_batch_size, algo["minibatches"])
+        shards = shard_sequences(sequences, len(self.workers), self.token_budget, algo["minibatches"])
         if self.needs_scoring:
             scores = await asyncio.gather(*[w.score.remote(s) for w, s in zip(self.workers, shards)])
             for shard, per_seq in zip(shards, scores):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from learner.algorithms import get_kl_estimator, get_policy_loss, token_weights
+from learner.algorithms import get_kl_estimator, get_policy_loss, tis_weights, token_weights
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,10 @@ def build_objective(algorithm: dict[str, Any]):
     The old policy is the learner's log-probs before this batch's first update (computed
     up front when there are several updates per batch; otherwise the current log-probs,
     detached, which makes the ratio 1 and the loss the plain policy gradient).
-    A KL loss term ``beta * sum_t w_t KL_t`` is added when ``kl.placement == "loss"``.
+    Truncated importance sampling multiplies the policy term's token weights by
+    ``min(pi_learner / pi_sampler, C)`` (or masks), correcting for the sampler's staleness;
+    it stacks with PPO's own ratio against the old policy. A KL loss term
+    ``beta * sum_t w_t KL_t`` is added when ``kl.placement == "loss"``.
     """
     method = get_method(algorithm["name"])
     policy_loss = get_policy_loss(method.loss)
@@ -73,6 +76,7 @@ def build_objective(algorithm: dict[str, Any]):
     clip = {} if method.loss == "vanilla_pg" else {"eps_low": eps_low, "eps_high": eps_high}
     if algorithm.get("dual_clip") is not None and method.loss == "ppo_clip":
         clip["dual_clip"] = algorithm["dual_clip"]
+    tis = algorithm["tis"]
     kl = algorithm["kl"]
     kl_in_loss = kl["placement"] == "loss"
     kl_estimator = get_kl_estimator(kl["estimator"]) if kl_in_loss else None
@@ -86,7 +90,14 @@ def build_objective(algorithm: dict[str, Any]):
             max_len=minibatch.max_len,
         )
         old = batch.old_logprobs if batch.old_logprobs is not None else learner_logprobs.detach()
-        loss, metrics = policy_loss(learner_logprobs, old, batch.advantages, batch.completion_mask, weights, **clip)
+        policy_weights, metrics = weights, {}
+        if tis["mode"] != "none":  # correct for the sampler's (stale) policy: w_t *= min(rho_t, C) or a 0/1 mask
+            is_weights, metrics = tis_weights(learner_logprobs.detach(), batch.sampler_logprobs, batch.completion_mask,
+                                              cap=tis["cap"], level=tis["level"], mode=tis["mode"])
+            policy_weights = weights * is_weights
+        loss, loss_metrics = policy_loss(learner_logprobs, old, batch.advantages, batch.completion_mask,
+                                         policy_weights, **clip)
+        metrics.update(loss_metrics)
         if kl_in_loss:
             kl_t = kl_estimator(learner_logprobs, batch.ref_logprobs, batch.completion_mask)  # [b, T]
             loss = loss + kl_beta * (kl_t * weights).sum()  # + beta * sum_t w_t KL_t

@@ -72,7 +72,7 @@ def shape_sequence_rewards(
     if algorithm["normalise_rewards"]:
         stats.count, stats.mean, stats.var = update_running_moments(stats.count, stats.mean, stats.var, r)
         r = normalise_rewards(r, stats.mean, stats.var)
-    if algorithm["whiten_rewards"] != "off":
+    if algorithm["whiten_rewards"] != "none":
         ones = torch.ones_like(r)
         r = whiten(r, ones, shift_mean=algorithm["whiten_rewards"] == "whiten")
     return r

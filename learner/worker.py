@@ -15,9 +15,10 @@ import time
 from typing import Any
 
 from learner.algorithms import value_loss
-from learner.batch import LearnerShard, at_completion, completion_logprobs, pad_sequences
+from learner.batch import LearnerShard
 from learner.critic import build_value_model
 from learner.methods import build_objective, get_method, value_weights
+from learner.packing import pack_sequences, packed_at_completion, packed_completion_logprobs
 
 
 def deepspeed_config(learner: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -104,6 +105,9 @@ class LearnerWorker:
             self.reference.requires_grad_(False)
         self.objective = build_objective(algorithm)
         self.zero_stage = learner["zero_stage"]
+        # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
+        attention = getattr(self.engine.module.config, "_attn_implementation", "sdpa")
+        self.mask_dtype = torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
         print(f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
               f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}", flush=True)
         return {"rank": self.rank, "pid": os.getpid()}
@@ -119,9 +123,12 @@ class LearnerWorker:
         return engine
 
     def _forward_logprobs(self, micro_batch, with_entropy: bool = False):
-        batch = pad_sequences(micro_batch, self.pad_id, self.device)
-        logits = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return batch, completion_logprobs(logits, batch, with_entropy=with_entropy)
+        """Pack the micro-batch into one row (an empty one becomes a zero-weight dummy: every
+        rank must run the same number of passes for ZeRO's collectives) and read out the
+        completion tokens' log-probs ``[n, T]``."""
+        batch = pack_sequences(micro_batch, self.pad_id, self.device, mask_dtype=self.mask_dtype)
+        logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logit_positions).logits
+        return batch, packed_completion_logprobs(logits, batch, with_entropy=with_entropy)
 
     def score(self, shard: LearnerShard) -> list[dict[str, list[float]]]:
         """Before any update: per sequence, the log-probs under the current policy (the old
@@ -136,13 +143,12 @@ class LearnerWorker:
                     batch, old = self._forward_logprobs(micro)
                     fields = {"old_logprobs": old}
                     if self.reference is not None:
-                        ref_logits = self.reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-                        fields["ref_logprobs"] = completion_logprobs(ref_logits, batch)
+                        ref_logits = self.reference(**batch.model_inputs(), logits_to_keep=batch.logit_positions)
+                        fields["ref_logprobs"] = packed_completion_logprobs(ref_logits.logits, batch)
                     if self.critic is not None:
-                        values = self.critic(batch.input_ids, batch.attention_mask)  # [b, L]
-                        fields["values"] = at_completion(values, batch).float() * batch.completion_mask
-                    lengths = batch.completion_mask.sum(1).long().tolist()
-                    for i, n in enumerate(lengths):
+                        values = self.critic(**batch.model_inputs())  # [1, L]
+                        fields["values"] = packed_at_completion(values, batch).float() * batch.completion_mask
+                    for i, n in enumerate(batch.completion_lengths):  # the dummy has no sequences
                         out.append({k: v[i, :n].tolist() for k, v in fields.items()})
         return out
 
@@ -183,7 +189,7 @@ class LearnerWorker:
 
     def _critic_backward(self, batch, minibatch) -> dict[str, float]:
         self.critic.train()
-        values = at_completion(self.critic(batch.input_ids, batch.attention_mask), batch).float()  # [b, T]
+        values = packed_at_completion(self.critic(**batch.model_inputs()), batch).float()  # [n, T]
         weights = value_weights(batch, minibatch, self.algorithm)
         clip = self.algorithm["critic"]["value_clip"]
         loss, metrics = value_loss(values, batch.returns, batch.completion_mask, weights,
@@ -198,8 +204,7 @@ class LearnerWorker:
         self.engine.eval()
         with torch.no_grad():
             batch, lp = self._forward_logprobs(micro_batch)
-        lengths = batch.completion_mask.sum(1).long().tolist()
-        return [row[:n] for row, n in zip(lp.tolist(), lengths)]
+        return [row[:n] for row, n in zip(lp.tolist(), batch.completion_lengths)]
 
     def export_weights(self) -> list | None:
         """(HF name, CPU tensor) pairs on rank 0, None elsewhere. Every rank must call it

@@ -42,9 +42,13 @@ def test_missing_and_invalid_values():
         load_config(None, REQUIRED + ["learner.lr"])
 
 
-def test_cross_field_rule_batch_splits_over_ranks():
-    with pytest.raises(ConfigError, match="resources.learner.ranks x algorithm.minibatches = 3 x 1"):
-        load_config(None, REQUIRED + ["resources.learner.ranks=3"])  # 16 x 8 = 128 is not a multiple of 3
+def test_cross_field_rules_name_the_fields():
+    with pytest.raises(ConfigError, match="cannot fill algorithm.minibatches = 256"):
+        load_config(None, REQUIRED + ["algorithm.minibatches=256"])  # 16 x 8 = 128 sequences
+    with pytest.raises(ConfigError, match="cache_len = 16 must be below rollout.max_tokens = 16"):
+        load_config(None, REQUIRED + ["algorithm.soft_overlong={cache_len: 16}"])
+    with pytest.raises(ConfigError, match="kl.placement=reward is not defined for grpo_process"):
+        load_config(None, REQUIRED + ["algorithm.name=grpo_process", "algorithm.kl.placement=reward"])
 
 
 def test_config_file_errors(tmp_path):

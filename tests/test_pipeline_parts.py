@@ -86,24 +86,28 @@ def test_grpo_advantages_from_groups_cover_every_completion_token():
     assert returns is None
 
 
-def test_shards_are_even_with_equal_micro_batch_counts_and_global_normalisers():
+def test_shards_balance_tokens_with_equal_micro_batch_counts_and_global_normalisers():
     rng = random.Random(0)
     seqs = [make_sequence(rng, 3, rng.randint(1, 6)) for _ in range(10)]
-    shards = shard_sequences(seqs, ranks=2, micro_batch_size=2)
+    shards = shard_sequences(seqs, ranks=2, token_budget=12)
     mbs = [s.minibatches[0] for s in shards]
-    assert [len(mb.micro_batches) for mb in mbs] == [3, 3]  # 5 per rank in micro-batches of <= 2
-    assert sum(len(micro) for mb in mbs for micro in mb.micro_batches) == 10
+    assert len(mbs[0].micro_batches) == len(mbs[1].micro_batches)  # collectives must match
+    assert sorted(id(x) for mb in mbs for micro in mb.micro_batches for x in micro) == sorted(map(id, seqs))
+    for mb in mbs:
+        for micro in mb.micro_batches:
+            assert len(micro) <= 1 or sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for x in micro) <= 12
+    rank_tokens = [sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for micro in mb.micro_batches
+                       for x in micro) for mb in mbs]
+    assert abs(rank_tokens[0] - rank_tokens[1]) <= 9  # within the longest sequence (3 + 6)
     assert all(mb.num_tokens == sum(len(x.completion_token_ids) for x in seqs) for mb in mbs)
     assert all(mb.num_sequences == 10 and mb.max_len == max(len(x.completion_token_ids) for x in seqs) for mb in mbs)
-    with pytest.raises(ValueError, match="do not split evenly"):
-        shard_sequences(seqs, ranks=3, micro_batch_size=2)
     # Two minibatches: each optimizer step has its own global normaliser over its 5 sequences.
-    two = shard_sequences(seqs, ranks=1, micro_batch_size=8, minibatches=2)[0]
+    two = shard_sequences(seqs, ranks=1, token_budget=64, minibatches=2)[0]
     assert [mb.num_tokens for mb in two.minibatches] == [
         float(sum(len(x.completion_token_ids) for x in seqs[:5])),
         float(sum(len(x.completion_token_ids) for x in seqs[5:])),
     ]
-    assert two.sequences() == seqs
+    assert sorted(map(id, two.sequences())) == sorted(map(id, seqs))
 
 
 def test_merged_metrics_sum_loss_and_weight_by_tokens():

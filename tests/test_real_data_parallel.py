@@ -41,7 +41,7 @@ def test_two_zero2_ranks_match_one_rank(ray_session, tiny_model_dir, tmp_path):
         for s in range(2)
     ]
     base = ["model.path=x", "data.prompts=x", "reward.function=x", "rollout.prompts_per_step=4",
-            "rollout.group_size=4", "learner.micro_batch_size=3", "learner.zero_stage=2", "learner.lr=0.01"]
+            "rollout.group_size=4", "learner.token_budget=24", "learner.zero_stage=2", "learner.lr=0.01"]
     run = RunLog.create(str(tmp_path), "dp", {}, 2)
     one, w1 = _train_two_steps(ray, load_config(None, base + ["resources.learner.ranks=1"]), tiny_model_dir, run,
                                batches)

@@ -30,7 +30,7 @@ def test_method_config_learns(config, tiny_model_dir, tmp_path, capsys):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == STEPS
     # First vs last 10% of the steps (6 each): from ~0.01 for the random model.
-    assert summary["reward_gain"] > 0.25, f"{config.stem}: {summary['reward_first_10pct']:.3f} -> " \
+    assert summary["reward_gain"] > 0.15, f"{config.stem}: {summary['reward_first_10pct']:.3f} -> " \
                                           f"{summary['reward_last_10pct']:.3f}"
     last = metrics[-1]
     assert "learner/entropy" in last and "learner/ratio_mean" in last

@@ -49,8 +49,8 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path):
     assert max(abs(a - b) for a, b in zip(before, learner_before)) < 1e-4
 
     batch = [make_sequence(rng, 5, 6) for _ in range(8)]
-    group = LearnerGroup([worker], AlgorithmConfig().model_dump(), micro_batch_size=8, max_tokens=16)
-    ray.get(worker.train_step.remote(shard_sequences(batch, 1, 8)[0]))
+    group = LearnerGroup([worker], AlgorithmConfig().model_dump(), token_budget=4096, max_tokens=16)
+    ray.get(worker.train_step.remote(shard_sequences(batch, 1, 4096)[0]))
     weights_ref = asyncio.run(group.export_weights())
 
     channel = build_weight_channel("ray")

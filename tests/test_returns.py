@@ -138,7 +138,19 @@ def test_objective_adds_the_kl_loss_term_with_the_global_normaliser():
 def test_several_updates_use_the_stored_old_policy():
     logp = torch.tensor([[0.0]], requires_grad=True)  # current log pi = 0, old = -1: ratio e = 2.718
     b = _padded(torch.tensor([[-1.0]]), torch.tensor([[1.0]]))
-    loss, metrics = build_objective(algo())(logp, b, MiniBatch([], 1.0, 1.0, 1), kl_beta=0.0)
+    loss, metrics = build_objective(algo("algorithm.tis.mode=none"))(logp, b, MiniBatch([], 1.0, 1.0, 1), kl_beta=0.0)
     # ratio e -> clipped to 1.2 with A = 1 > 0 -> loss = -1.2
     assert float(loss.detach()) == pytest.approx(-1.2)
     assert float(metrics["clip_frac_high"]) == 1.0
+
+
+def test_truncated_importance_weight_multiplies_the_policy_term():
+    logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    b = _padded(torch.tensor([[-1.0, -1.0]]), torch.tensor([[1.0, 1.0]]))  # sampler log-probs -1, -1
+    loss, metrics = build_objective(algo())(logp, b, MiniBatch([], 2.0, 1.0, 2), kl_beta=0.0)
+    # token 0: rho = e^(0 - -1) = 2.72 -> truncated to C = 2; PPO ratio vs old (-1) = e -> clipped 1.2
+    #          -> -1.2 x 2 x 1/2 = -1.2; token 1: rho = 1, ratio 1 -> -1 x 1 x 1/2 = -0.5. Total -1.7
+    assert float(loss.detach()) == pytest.approx(-1.7)
+    assert float(metrics["tis_truncated_frac"]) == 0.5
+    grad = torch.autograd.grad(loss, logp)[0]
+    assert grad[0, 0] == 0.0 and grad[0, 1] == pytest.approx(-0.5)  # clipped token: no gradient

@@ -20,6 +20,7 @@ from learner.algorithms.advantages import (
     whiten,
 )
 from learner.algorithms.aggregation import AGGREGATIONS, check_aggregation, token_weights
+from learner.algorithms.importance import tis_weights
 from learner.algorithms.kl import (
     KL_ESTIMATORS,
     adaptive_kl_beta,
@@ -42,6 +43,7 @@ from learner.algorithms.policy_losses import (
 from learner.algorithms.shaping import soft_overlong_penalty, truncation_penalty
 
 __all__ = [
+    "tis_weights",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",

@@ -1,0 +1,76 @@
+"""Asynchronous vs synchronous RL on a long-tail workload, side by side in one run.
+
+Two real `tandem train` runs on the same prompts, samples and steps:
+  sync : max_staleness 0, weights updated between requests (generation and training alternate)
+  async: max_staleness 2, in-flight weight updates (generation never stops for training)
+The tiny random-init model samples until EOS (p ~ 1/64 per token) or max_tokens, so
+completion lengths are geometric: most are short, a few hit the limit, the long tail
+that stalls synchronous RL. The learning rate is tiny so the distribution stays put.
+
+Printed: wall time of the training phase (first to last step) and of the whole run,
+their ratio, and the learner's idle fraction (time waiting for data / step time).
+Run: .venv/bin/python bench/async_vs_sync.py [--steps 12 --max-tokens 384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(name: str, out: Path, common: list[str], extra: list[str]) -> dict:
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "launch.cli", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
+           f"run.output_dir={out / name}", f"run.name={name}", *common, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{name} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    wall = time.monotonic() - start
+    metrics_file = next((out / name).glob("*/metrics.jsonl"))
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    later = metrics[1:]  # step 0 includes the engines' warm-up
+    return {
+        "wall_s": wall,
+        "train_phase_s": metrics[-1]["elapsed_s"] - metrics[0]["elapsed_s"],
+        "learner_idle": sum(m["learner_wait_s"] for m in later) / sum(m["step_seconds"] for m in later),
+        "completion_len": sum(m["completion_len_mean"] for m in metrics) / len(metrics),
+        "truncated": sum(m["truncated_frac"] for m in metrics) / len(metrics),
+        "staleness_max": max(m["staleness_max"] for m in metrics),
+        "dropped": sum(m["dropped_stale"] for m in metrics),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=384)
+    parser.add_argument("--prompts", type=int, default=16)
+    args = parser.parse_args()
+    common = [f"run.steps={args.steps}", f"rollout.max_tokens={args.max_tokens}", "rollout.min_tokens=0",
+              f"rollout.prompts_per_step={args.prompts}", "rollout.group_size=8", "learner.lr=1e-7",
+              "rollout.prompts_per_request=16", f"rollout.max_inflight_prompts={args.prompts * 2}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        print(f"{args.steps} steps x {args.prompts} prompts x 8 samples, max_tokens {args.max_tokens}", flush=True)
+        sync = run("sync", out, common, ["run.max_staleness=0", "rollout.weight_update=between_requests"])
+        asyn = run("async", out, common, ["run.max_staleness=2", "rollout.weight_update=inflight"])
+    print(f"\n{'mode':<6} {'train phase s':>14} {'whole run s':>12} {'learner idle':>13} {'mean len':>9} "
+          f"{'truncated':>10} {'max stale':>10} {'dropped':>8}")
+    for name, r in (("sync", sync), ("async", asyn)):
+        print(f"{name:<6} {r['train_phase_s']:>14.1f} {r['wall_s']:>12.1f} {r['learner_idle']:>12.0%} "
+              f"{r['completion_len']:>9.1f} {r['truncated']:>10.1%} {r['staleness_max']:>10} {r['dropped']:>8}")
+    print(f"\nRATIO sync / async training-phase wall time: {sync['train_phase_s'] / asyn['train_phase_s']:.2f}x "
+          f"(goal >= 2x)")
+    print(f"RATIO sync / async whole-run wall time: {sync['wall_s'] / asyn['wall_s']:.2f}x")
+    print(f"learner idle fraction in async mode: {asyn['learner_idle']:.1%} (goal <= 5% when generation keeps up)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Sequence packing: padding-free micro-batches, balanced by tokens over data-parallel ranks.
+
+Padded batching (``learner/batch.py:pad_sequences``) lays a micro-batch out as ``[b, L]``
+rows padded to the longest sequence; with long-tailed completion lengths (most short, a
+few at the length limit) most of those slots are padding. Packing instead concatenates a
+micro-batch's sequences into ONE row ``[1, sum_i len_i]`` with no padding inside, and
+keeps them from seeing each other with
+
+* ``position_ids`` restarting at 0 at every sequence (RoPE sees each sequence alone), and
+* a block-diagonal causal attention mask: token ``q`` may attend to key ``k`` iff both
+  belong to the same sequence and ``k <= q``.
+
+How the mask reaches the model (transformers 5.19, Qwen2, checked on CPU with ``sdpa``
+and ``eager``; ``tests/test_packing.py`` holds packed == unpadded to 1e-5):
+
+* default: an explicit 4D additive mask ``[1, 1, L, L]`` (0 where attending, the dtype's
+  most negative value elsewhere) as ``attention_mask``. transformers returns a 4D mask
+  unchanged (``masking_utils._preprocess_mask_arguments``); ``eager`` adds it to the
+  scores and ``sdpa`` passes it as ``attn_mask``, so one format serves both.
+  ``mask_dtype=torch.bool`` gives the boolean form (``sdpa`` only, 1 byte per pair).
+* ``mask_dtype=None``: no mask tensor; transformers detects the packing from the
+  position resets and builds the block mask itself (``sdpa``/``eager``) or runs varlen
+  kernels (``flash_attention_2``, no ``L x L`` tensor at all). It does so ONLY when
+  ``attention_mask is None`` and there is no KV cache, so the call MUST pass
+  ``use_cache=False``: with the default cache the detection is silently skipped and
+  sequences attend across each other (max logit error 0.85 on the tiny model).
+  ``PackedBatch.model_inputs()`` always passes ``use_cache=False``.
+
+Micro-batch planning (``plan_micro_batches``) assigns sequences to ranks longest-first
+onto the least-loaded rank (LPT, Graham 1969: max - min rank tokens <= longest
+sequence), then into micro-batches of at most ``token_budget`` tokens per rank by
+first-fit decreasing, and pads every rank to the same number of micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from learner.batch import TrainSequence, pad_rows
+
+_OPTIONAL = ("old_logprobs", "ref_logprobs", "returns", "old_values")
+
+
+# ---------------------------------------------------------------------------------------
+# planning
+# ---------------------------------------------------------------------------------------
+
+
+def plan_micro_batches(
+    lengths: list[int], ranks: int, token_budget: int, minibatches: int = 1
+) -> list[list[list[list[int]]]]:
+    """Assign sequence indices to ranks and token-bounded micro-batches.
+
+    ``lengths[i]`` is sequence i's prompt + completion token count. Returns
+    ``plan[rank][minibatch][micro] -> sorted list of sequence indices`` (the nesting of
+    ``LearnerShard.minibatches[m].micro_batches[k]``):
+
+    * minibatch m holds the contiguous index range ``[m n / M, (m+1) n / M)`` (sizes differ
+      by at most 1), as ``shard_sequences`` does: one optimizer step each;
+    * within a minibatch, sequences go longest-first to the rank with the fewest tokens so
+      far (ties: lower index first, lower rank first), which keeps
+      ``max_r tokens_r - min_r tokens_r <= max_i len_i``;
+    * within a rank, first-fit decreasing: each sequence (longest first) joins the first
+      micro-batch it fits in (``sum len <= token_budget``), else opens a new one. A sequence
+      longer than the budget opens its own micro-batch and nothing joins it;
+    * every rank gets the same number of micro-batches in a minibatch (at least 1): ranks
+      with fewer get EMPTY micro-batches ``[]`` appended. The learner must still run a
+      forward and a backward for an empty micro-batch, because ZeRO gathers parameters in
+      forward and reduces gradients in backward collectively: ``pack_sequences([])`` gives
+      a 2-token dummy whose completion mask is 0, so its loss weights and gradients are 0.
+
+    Deterministic: the same arguments give the same plan.
+    """
+    if ranks < 1 or token_budget < 1 or minibatches < 1:
+        raise ValueError(
+            f"ranks, token_budget and minibatches must be >= 1, got {ranks}, {token_budget}, {minibatches}"
+        )
+    if len(lengths) < minibatches:
+        raise ValueError(f"{len(lengths)} sequences cannot fill {minibatches} minibatches")
+    if any(n < 1 for n in lengths):
+        raise ValueError("every sequence needs at least one token")
+    n = len(lengths)
+    plan: list[list[list[list[int]]]] = [[] for _ in range(ranks)]
+    for m in range(minibatches):
+        chunk = range(m * n // minibatches, (m + 1) * n // minibatches)
+        per_rank = _balance_over_ranks(chunk, lengths, ranks)
+        bins = [_first_fit_decreasing(members, lengths, token_budget) for members in per_rank]
+        n_micro = max(1, max(len(b) for b in bins))
+        for r in range(ranks):
+            plan[r].append(bins[r] + [[] for _ in range(n_micro - len(bins[r]))])
+    return plan
+
+
+def _longest_first(indices, lengths: list[int]) -> list[int]:
+    return sorted(indices, key=lambda i: (-lengths[i], i))
+
+
+def _balance_over_ranks(indices, lengths: list[int], ranks: int) -> list[list[int]]:
+    """LPT: each sequence, longest first, to the least-loaded rank. Members stay longest-first."""
+    loads = [0] * ranks
+    members: list[list[int]] = [[] for _ in range(ranks)]
+    for i in _longest_first(indices, lengths):
+        r = min(range(ranks), key=lambda k: (loads[k], k))
+        members[r].append(i)
+        loads[r] += lengths[i]
+    return members
+
+
+def _first_fit_decreasing(longest_first: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Bins of total length <= budget (an over-budget sequence alone in its bin)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in longest_first:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+# ---------------------------------------------------------------------------------------
+# packing
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch of n sequences packed into one row of L = sum_i len_i tokens.
+
+    The completion-side fields match ``PaddedBatch`` (``[n, T]``, ``T`` = longest
+    completion, zero in padding slots), so objectives, ``token_weights`` and
+    ``value_loss`` take a ``PackedBatch`` unchanged. Logits come out as ``[1, L, V]``
+    instead of ``[b, L, V]``: read them with ``packed_completion_logprobs`` /
+    ``packed_at_completion`` (``learner.batch.completion_logprobs`` gathers along dim 1
+    per row and needs one row per sequence).
+    """
+
+    input_ids: torch.Tensor  # [1, L] the sequences' prompt + completion tokens back to back
+    position_ids: torch.Tensor  # [1, L] 0, 1, ..., len_i - 1 for each sequence
+    attention_mask: torch.Tensor | None  # [1, 1, L, L] block-diagonal causal (additive or bool), or None
+    seq_lens: list[int]  # len_i of each real sequence in row order ([] for the dummy)
+    completion_index: torch.Tensor  # [n, T] position in the packed row of each completion token
+    completion_valid: torch.Tensor  # [n, T] bool, True where the slot holds a completion token
+    completion_ids: torch.Tensor  # [n, T] completion tokens (0 in padding)
+    completion_mask: torch.Tensor  # [n, T] float, 1 on trained tokens
+    advantages: torch.Tensor  # [n, T]
+    sampler_logprobs: torch.Tensor  # [n, T]
+    old_logprobs: torch.Tensor | None = None  # [n, T]
+    ref_logprobs: torch.Tensor | None = None  # [n, T]
+    returns: torch.Tensor | None = None  # [n, T]
+    old_values: torch.Tensor | None = None  # [n, T]
+    is_dummy: bool = False  # the zero-weight stand-in for an empty micro-batch
+
+    @property
+    def logit_positions(self) -> torch.Tensor:
+        """``[N]`` row positions whose output predicts a completion token (``p - 1``), in
+        row-major order of ``completion_valid``. Pass as ``logits_to_keep=`` to compute
+        the LM head only there: logits ``[1, N, V]`` instead of ``[1, L, V]``."""
+        return self.completion_index[self.completion_valid] - 1
+
+    @property
+    def completion_lengths(self) -> list[int]:
+        """Completion token count of each real sequence ([] for the dummy)."""
+        return [] if self.is_dummy else self.completion_valid.sum(1).tolist()
+
+    def model_inputs(self) -> dict[str, torch.Tensor | bool | None]:
+        """Keyword arguments for a Hugging Face causal LM (or its base model).
+
+        ``use_cache=False`` matters only without a 4D mask (see the module docstring);
+        it is also what training wants.
+        """
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": self.attention_mask,
+            "use_cache": False,
+        }
+
+
+def block_causal_mask(seq_lens: list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Mask ``[1, 1, L, L]`` with ``allowed[q, k] = (seq(q) == seq(k)) and (k <= q)``.
+
+    A float ``dtype`` gives the additive form (0 where allowed, ``finfo(dtype).min``
+    elsewhere; ``sdpa`` and ``eager``). ``torch.bool`` gives ``allowed`` itself, a quarter
+    of float32's memory, which ``sdpa`` takes but ``eager`` does not (it adds the mask).
+    """
+    lens = torch.tensor(seq_lens, device=device)
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)  # [L]
+    pos = torch.arange(seq_of.numel(), device=device)  # [L]
+    allowed = (seq_of[:, None] == seq_of[None, :]) & (pos[None, :] <= pos[:, None])  # [L, L]
+    if dtype == torch.bool:
+        return allowed[None, None]  # [1, 1, L, L]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]  # [1, 1, L, L]
+
+
+def dummy_sequence(pad_id: int) -> TrainSequence:
+    """A 2-token sequence whose single completion token has mask 0 (and every optional
+    field set to 0), so objectives and the critic loss see it with weight 0."""
+    zero = [0.0]
+    return TrainSequence(
+        prompt_token_ids=[pad_id],
+        completion_token_ids=[pad_id],
+        completion_mask=[0],
+        advantages=zero,
+        sampler_logprobs=zero,
+        policy_versions=[0],
+        old_logprobs=zero,
+        ref_logprobs=zero,
+        returns=zero,
+        old_values=zero,
+    )
+
+
+def pack_sequences(
+    seqs: list[TrainSequence],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    mask_dtype: torch.dtype | None = torch.float32,
+) -> PackedBatch:
+    """Pack ``seqs`` into one row ``[1, sum_i (p_i + c_i)]``; completion tensors ``[n, T]``.
+
+    Sequence i occupies row positions ``[s_i, s_i + p_i + c_i)`` with
+    ``s_i = sum_{j<i} (p_j + c_j)``; its completion token t sits at ``s_i + p_i + t``.
+    ``mask_dtype`` is the dtype of the 4D mask (the model's activation dtype for the
+    additive form, ``torch.bool`` for ``sdpa`` only), or ``None`` to let transformers build
+    the mask from ``position_ids`` (see the module docstring).
+    An empty ``seqs`` (an empty planned micro-batch) gives the zero-weight dummy of
+    ``dummy_sequence(pad_id)``, marked ``is_dummy``.
+    """
+    is_dummy = not seqs
+    if is_dummy:
+        seqs = [dummy_sequence(pad_id)]
+    seq_lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs]
+    if any(not s.prompt_token_ids for s in seqs):
+        raise ValueError("packing needs a non-empty prompt: the first completion token is predicted from it")
+    T = max(len(s.completion_token_ids) for s in seqs)
+    tokens = [tok for s in seqs for tok in (*s.prompt_token_ids, *s.completion_token_ids)]
+    input_ids = torch.tensor(tokens, dtype=torch.long)[None]  # [1, L]
+    position_ids = torch.cat([torch.arange(n) for n in seq_lens])[None]  # [1, L]
+    starts = torch.tensor([0, *seq_lens[:-1]]).cumsum(0)  # [n]; s_i
+    comp_lens = torch.tensor([len(s.completion_token_ids) for s in seqs])  # [n]
+    prompt_lens = torch.tensor([len(s.prompt_token_ids) for s in seqs])  # [n]
+    t = torch.arange(T)[None]  # [1, T]
+    valid = t < comp_lens[:, None]  # [n, T]
+    index = torch.where(valid, (starts + prompt_lens)[:, None] + t, 0)  # [n, T]; s_i + p_i + t
+    comp_ids = torch.zeros((len(seqs), T), dtype=torch.long)
+    comp_ids[valid] = torch.tensor([tok for s in seqs for tok in s.completion_token_ids], dtype=torch.long)
+    per_token = [
+        pad_rows([getattr(s, name) for s in seqs], T) for name in ("completion_mask", "advantages", "sampler_logprobs")
+    ]
+    optional = [
+        pad_rows([getattr(s, name) for s in seqs], T) if getattr(seqs[0], name) is not None else None
+        for name in _OPTIONAL
+    ]
+    mask = None if mask_dtype is None else block_causal_mask(seq_lens, mask_dtype, device)
+    to = lambda x: None if x is None else x.to(device)
+    return PackedBatch(
+        to(input_ids),
+        to(position_ids),
+        mask,
+        [] if is_dummy else seq_lens,
+        to(index),
+        to(valid),
+        to(comp_ids),
+        *(to(x) for x in per_token),
+        *(to(x) for x in optional),
+        is_dummy=is_dummy,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# reading the packed outputs
+# ---------------------------------------------------------------------------------------
+
+
+def packed_at_completion(per_position: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Outputs that predict each completion token: ``[1, L, ...] -> [n, T, ...]``.
+
+    As ``learner.batch.at_completion``: the completion token at row position p is
+    predicted by position ``p - 1`` (for a critic: the state before that token). Padding
+    slots read position 0; mask them.
+    """
+    prev = (batch.completion_index - 1).clamp(min=0)  # [n, T]
+    return per_position[0, prev]  # [n, T, ...]
+
+
+def packed_completion_logprobs(logits: torch.Tensor, batch: PackedBatch, with_entropy: bool = False):
+    """log pi(token) of every completion token: ``[n, T]`` (and the entropy ``[n, T]`` of each
+    predicting distribution when ``with_entropy``), zero on padding and masked tokens.
+
+    ``logits`` is ``[1, L, V]`` (the full row) or ``[1, N, V]`` (the model was called with
+    ``logits_to_keep=batch.logit_positions``). Log-softmax runs over the N predicting
+    positions only, never over the prompt or a padded ``[n, T, V]`` block.
+    """
+    valid = batch.completion_valid  # [n, T]
+    n_keep = int(valid.sum())
+    if logits.size(1) == batch.input_ids.size(1):
+        picked = logits[0, batch.logit_positions]  # [N, V]
+    elif logits.size(1) == n_keep:
+        picked = logits[0]  # [N, V]
+    else:
+        raise ValueError(f"logits cover {logits.size(1)} positions; expected L={batch.input_ids.size(1)} or N={n_keep}")
+    logp = torch.log_softmax(picked.float(), dim=-1)  # [N, V]
+    token_logp = torch.gather(logp, 1, batch.completion_ids[valid].unsqueeze(-1)).squeeze(-1)  # [N]
+    zeros = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
+    out = zeros.masked_scatter(valid, token_logp) * batch.completion_mask  # [n, T]
+    if not with_entropy:
+        return out
+    entropy = -(logp.exp() * logp).sum(-1)  # H = -sum_v p log p, [N]
+    return out, (zeros.masked_scatter(valid, entropy.detach()) * batch.completion_mask)

@@ -1,0 +1,315 @@
+"""Sequence packing: packed == unpadded on the tiny Qwen2, the packed layout, and the planner."""
+
+import random
+
+import pytest
+import torch
+
+from learner.algorithms.aggregation import token_weights
+from learner.algorithms.policy_losses import ppo_clip_loss
+from learner.batch import TrainSequence, completion_logprobs, pad_sequences
+from learner.packing import (
+    block_causal_mask,
+    pack_sequences,
+    packed_at_completion,
+    packed_completion_logprobs,
+    plan_micro_batches,
+)
+
+PAD = 0
+
+
+def _seq(prompt, completion, mask=None, with_optional=False):
+    c = len(completion)
+    extra = {}
+    if with_optional:
+        extra = dict(
+            old_logprobs=[-0.1 * (t + 1) for t in range(c)],
+            ref_logprobs=[-0.2 * (t + 1) for t in range(c)],
+            returns=[0.5 + t for t in range(c)],
+            old_values=[0.25 * t for t in range(c)],
+        )
+    return TrainSequence(
+        prompt_token_ids=list(prompt),
+        completion_token_ids=list(completion),
+        completion_mask=mask if mask is not None else [1] * c,
+        advantages=[0.1 * (t + 1) for t in range(c)],
+        sampler_logprobs=[-0.5 - 0.01 * t for t in range(c)],
+        policy_versions=[3] * c,
+        **extra,
+    )
+
+
+def _random_seqs(shapes, seed=0):
+    """Sequences of (prompt, completion) lengths with token ids from the tiny vocab (4..52)."""
+    g = random.Random(seed)
+    return [
+        _seq(
+            [g.randrange(4, 53) for _ in range(p)],
+            [g.randrange(4, 53) for _ in range(c)],
+            mask=[0 if t == 1 else 1 for t in range(c)],
+        )  # one untrained token inside each completion
+        for p, c in shapes
+    ]
+
+
+# very different lengths: 4 .. 210 tokens, a 1-token completion, a 1-token prompt
+SHAPES = [(3, 1), (20, 190), (1, 7), (9, 33), (5, 2)]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for impl in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl)
+        out[impl] = model.eval()
+    return out
+
+
+def _unpadded_logprobs(model, seqs):
+    """One forward per sequence, no padding, no packing: the reference. List of [c_i] tensors."""
+    out = []
+    for s in seqs:
+        p = len(s.prompt_token_ids)
+        ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # [len, V]
+        comp = torch.tensor(s.completion_token_ids)
+        out.append(
+            logp[p - 1 : p - 1 + len(comp)].gather(1, comp[:, None]).squeeze(1)
+            * torch.tensor(s.completion_mask, dtype=torch.float)
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_pack_layout_by_hand():
+    seqs = [_seq([5, 6], [7, 8, 9]), _seq([10], [11])]
+    b = pack_sequences(seqs, PAD)
+    # row: 5 6 | 7 8 9 | 10 | 11   (no padding: L = 5 + 2 = 7)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]  # restarts at the second sequence
+    assert b.seq_lens == [5, 2]
+    # completion tokens sit at s_i + p_i + t: seq 0 at 0 + 2 + (0, 1, 2), seq 1 at 5 + 1 + 0
+    assert b.completion_index.tolist() == [[2, 3, 4], [6, 0, 0]]
+    assert b.completion_valid.tolist() == [[True, True, True], [True, False, False]]
+    assert b.completion_ids.tolist() == [[7, 8, 9], [11, 0, 0]]
+    # the outputs that predict them: positions p - 1
+    assert b.logit_positions.tolist() == [1, 2, 3, 5]
+    assert b.completion_lengths == [3, 1]
+    allowed = (b.attention_mask[0, 0] == 0).int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 1, 0],  # the second sequence never sees the first
+        [0, 0, 0, 0, 0, 1, 1],
+    ]
+    assert b.attention_mask.shape == (1, 1, 7, 7)
+    assert b.attention_mask.min().item() == torch.finfo(torch.float32).min
+
+
+def test_completion_fields_match_padded_batch():
+    seqs = [_seq([5, 6], [7, 8, 9], mask=[1, 0, 1], with_optional=True), _seq([10], [11], with_optional=True)]
+    packed, padded = pack_sequences(seqs, PAD), pad_sequences(seqs, PAD)
+    for name in (
+        "completion_ids",
+        "completion_mask",
+        "advantages",
+        "sampler_logprobs",
+        "old_logprobs",
+        "ref_logprobs",
+        "returns",
+        "old_values",
+    ):
+        assert torch.equal(getattr(packed, name), getattr(padded, name)), name
+    assert pack_sequences([_seq([1], [2])], PAD).old_logprobs is None  # absent fields stay absent
+
+
+def test_packed_at_completion_reads_position_before_each_token():
+    b = pack_sequences([_seq([5, 6], [7, 8, 9]), _seq([10], [11])], PAD)
+    values = torch.arange(7.0)[None] * 10  # V(s_j) = 10 j, [1, L]
+    # completion positions [[2,3,4],[6,-,-]] -> read j = p - 1 = [[1,2,3],[5,0,0]] -> x10
+    assert packed_at_completion(values, b).tolist() == [[10.0, 20.0, 30.0], [50.0, 0.0, 0.0]]
+
+
+def test_block_causal_mask_bool_form():
+    # seq_lens [2, 1]: [[ok, -, -], [ok, ok, -], [-, -, ok]]
+    assert block_causal_mask([2, 1], torch.bool)[0, 0].tolist() == [
+        [True, False, False],
+        [True, True, False],
+        [False, False, True],
+    ]
+
+
+def test_block_causal_mask_in_bfloat16():
+    m = block_causal_mask([1, 2], torch.bfloat16)
+    # [[ok, -, -], [-, ok, -], [-, ok, ok]]
+    assert (m[0, 0] == 0).int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert m.dtype == torch.bfloat16 and m.min().item() == torch.finfo(torch.bfloat16).min
+
+
+# --------------------------------------------------------------------------- packed == unpadded
+
+
+@pytest.mark.parametrize(
+    "impl,mask_dtype",
+    [("sdpa", torch.float32), ("eager", torch.float32), ("sdpa", torch.bool), ("sdpa", None), ("eager", None)],
+    ids=["sdpa-4d-additive", "eager-4d-additive", "sdpa-4d-bool", "sdpa-position-ids", "eager-position-ids"],
+)
+def test_packed_logprobs_equal_unpadded(models, impl, mask_dtype):
+    model = models[impl]
+    seqs = _random_seqs(SHAPES)
+    with torch.no_grad():
+        reference = _unpadded_logprobs(model, seqs)
+        batch = pack_sequences(seqs, PAD, mask_dtype=mask_dtype)
+        packed, entropy = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch, with_entropy=True)
+        padded_batch = pad_sequences(seqs, PAD)
+        padded_logits = model(input_ids=padded_batch.input_ids, attention_mask=padded_batch.attention_mask).logits
+        padded, padded_entropy = completion_logprobs(padded_logits, padded_batch, with_entropy=True)
+    for i, ref in enumerate(reference):
+        c = len(ref)
+        assert (packed[i, :c] - ref).abs().max().item() < 1e-5, f"sequence {i}"
+        assert (packed[i, c:] == 0).all()
+    assert (packed - padded).abs().max().item() < 1e-5
+    assert (entropy - padded_entropy).abs().max().item() < 1e-5
+    assert packed[0, 0].item() < 0  # a real log-prob, not a zeroed slot
+
+
+def test_without_mask_or_positions_sequences_leak(models):
+    # negative control: the same row with neither a mask nor restarting positions is plain causal
+    # attention over all sequences, and the later sequences' log-probs move far beyond 1e-5
+    model = models["sdpa"]
+    seqs = _random_seqs(SHAPES)
+    with torch.no_grad():
+        reference = _unpadded_logprobs(model, seqs)
+        batch = pack_sequences(seqs, PAD, mask_dtype=None)
+        leaky = packed_completion_logprobs(model(input_ids=batch.input_ids).logits, batch)
+        # and position_ids without use_cache=False: transformers skips its packing detection
+        no_cache_off = packed_completion_logprobs(
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch
+        )
+    assert (leaky[0, :1] - reference[0]).abs().max() < 1e-5  # the first sequence sees nothing earlier
+    assert (leaky[1, :190] - reference[1]).abs().max() > 1e-2
+    assert (no_cache_off[1, :190] - reference[1]).abs().max() > 1e-2
+
+
+def test_logits_to_keep_gives_the_same_logprobs(models):
+    model = models["sdpa"]
+    seqs = _random_seqs(SHAPES)
+    batch = pack_sequences(seqs, PAD)
+    with torch.no_grad():
+        full = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
+        kept_logits = model(**batch.model_inputs(), logits_to_keep=batch.logit_positions).logits
+        kept = packed_completion_logprobs(kept_logits, batch)
+    # N = 1 + 190 + 7 + 33 + 2 = 233 predicting positions instead of L = 271
+    assert kept_logits.shape[1] == 233 and batch.input_ids.shape[1] == 271
+    assert torch.equal(kept, full)
+
+
+def test_packed_gradients_equal_sum_of_per_sequence_gradients(models):
+    model = models["sdpa"]
+    seqs = _random_seqs([(3, 4), (12, 60), (2, 9)], seed=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # objective: sum_i sum_t A_{i,t} log pi(o_{i,t}) (advantages differ per token)
+    reference = [torch.zeros_like(p) for p in params]
+    for s in seqs:
+        model.zero_grad()
+        (one,) = _unpadded_logprobs(model, [s])
+        (one * torch.tensor(s.advantages)).sum().backward()
+        for acc, p in zip(reference, params, strict=True):
+            acc += p.grad
+    model.zero_grad()
+    batch = pack_sequences(seqs, PAD)
+    packed = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
+    (packed * batch.advantages).sum().backward()
+    # fp32 summation order differs (one row vs three): elementwise |g - g_ref| <= 1e-5 + 1e-5 |g_ref|
+    # (gradients reach ~50 here; the largest difference measured was 7.6e-6)
+    for p, ref in zip(params, reference, strict=True):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-5)
+    model.zero_grad()
+    assert max(r.abs().max().item() for r in reference) > 1e-3  # the gradients are not trivially 0
+
+
+def test_empty_micro_batch_dummy_has_zero_loss_and_zero_gradients(models):
+    # an empty planned micro-batch still runs forward + backward (ZeRO collectives), with weight 0
+    model = models["sdpa"]
+    batch = pack_sequences([], PAD)
+    assert batch.is_dummy and batch.completion_lengths == [] and batch.input_ids.tolist() == [[PAD, PAD]]
+    model.zero_grad(set_to_none=True)
+    logprobs = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
+    weights = token_weights(batch.completion_mask, "token_mean", num_tokens=100.0)  # mask 0 -> w = 0
+    loss, _ = ppo_clip_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask, weights)
+    loss.backward()
+    assert loss.item() == 0.0
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads)  # every parameter took part in backward ...
+    assert all((g == 0).all() for g in grads)  # ... with a zero gradient
+    model.zero_grad()
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def test_plan_by_hand():
+    # longest first onto the least-loaded rank (ties -> rank 0):
+    #   10 -> r0 (10) | 8 -> r1 (8) | 7 -> r1 (15) | 5 -> r0 (15) | 3 -> r0 (18, tie at 15) | 2 -> r1 (17)
+    # first-fit decreasing, budget 10:
+    #   r0: 10 -> [0]; 5 -> new [5]; 3 -> joins [5] (8)          -> [[0], [1, 5]]
+    #   r1: 8 -> [4];  7 -> new [2]; 2 -> joins [4] (10 <= 10)   -> [[3, 4], [2]]
+    lengths = [10, 3, 7, 2, 8, 5]
+    assert plan_micro_batches(lengths, ranks=2, token_budget=10) == [[[[0], [1, 5]]], [[[3, 4], [2]]]]
+
+
+def test_plan_over_budget_sequence_alone():
+    # 25 > 10 gets its own micro-batch; 4 + 4 share one
+    assert plan_micro_batches([25, 4, 4], ranks=1, token_budget=10) == [[[[0], [1, 2]]]]
+
+
+def test_plan_pads_ranks_to_the_same_micro_batch_count():
+    # 10 -> r0, 5 -> r1, 5 -> r1 (5 < 10). budget 6: r0 [[0]], r1 [[1], [2]] -> r0 gets an empty one
+    assert plan_micro_batches([10, 5, 5], ranks=2, token_budget=6) == [[[[0], []]], [[[1], [2]]]]
+
+
+def test_plan_more_ranks_than_sequences():
+    # 3 ranks, 1 sequence: ranks 1 and 2 run one dummy micro-batch each
+    assert plan_micro_batches([4], ranks=3, token_budget=8) == [[[[0]]], [[[]]], [[[]]]]
+
+
+def test_plan_minibatches_are_contiguous_ranges():
+    # n = 7, M = 2: minibatch 0 = [0, 7 // 2) = {0, 1, 2}, minibatch 1 = {3, 4, 5, 6}
+    plan = plan_micro_batches([3, 9, 4, 1, 1, 6, 2], ranks=2, token_budget=100, minibatches=2)
+    for m, expected in enumerate([{0, 1, 2}, {3, 4, 5, 6}]):
+        got = {i for rank in plan for micro in rank[m] for i in micro}
+        assert got == expected
+
+
+@pytest.mark.parametrize("ranks,budget,minibatches", [(1, 512, 1), (2, 1024, 1), (4, 700, 2), (3, 64, 3)])
+def test_plan_invariants_on_a_long_tail(ranks, budget, minibatches):
+    g = random.Random(ranks * 100 + budget)
+    lengths = [min(4096, int(g.lognormvariate(4.5, 1.0)) + 1) for _ in range(300)]  # median ~90, tail to 4096
+    plan = plan_micro_batches(lengths, ranks, budget, minibatches)
+    assert plan == plan_micro_batches(lengths, ranks, budget, minibatches)  # deterministic
+    assert len(plan) == ranks
+    seen = sorted(i for rank in plan for mb in rank for micro in mb for i in micro)
+    assert seen == list(range(len(lengths)))  # every index exactly once
+    for m in range(minibatches):
+        counts = {len(rank[m]) for rank in plan}
+        assert len(counts) == 1  # same number of micro-batches on every rank
+        for rank in plan:
+            for micro in rank[m]:
+                assert len(micro) <= 1 or sum(lengths[i] for i in micro) <= budget  # budget, or a lone long one
+        tokens = [sum(lengths[i] for micro in rank[m] for i in micro) for rank in plan]
+        longest = max(lengths[i] for rank in plan for micro in rank[m] for i in micro)
+        assert max(tokens) - min(tokens) <= longest  # LPT balance bound
+
+
+@pytest.mark.parametrize("args", [([], 1, 10, 1), ([3], 0, 10, 1), ([3], 1, 0, 1), ([3], 1, 10, 2), ([0], 1, 10, 1)])
+def test_plan_bad_arguments_fail(args):
+    with pytest.raises(ValueError):
+        plan_micro_batches(*args)
