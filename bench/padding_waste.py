@@ -6,7 +6,7 @@ packing (``learner/packing.py``) concatenates sequences into one row per micro-b
 Both sides are measured on the tensors the learner would really build, for the same
 seeded batch, split over the same data-parallel ranks:
 
-* (a) padded, as Tandem does today: ``learner.group.shard_sequences`` (split by COUNT,
+* (a) padded batching (what Tandem did before packing: split by COUNT,
   ``--micro-batch-size`` sequences per micro-batch), each micro-batch laid out by
   ``learner.batch.pad_sequences``; token slots = ``input_ids.numel()``.
   (a') the same micro-batch size after sorting by length: the best padding can do.
@@ -42,7 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from learner.batch import TrainSequence, pad_sequences  # noqa: E402
-from learner.group import shard_sequences  # noqa: E402
+import torch  # noqa: E402
+
 from learner.packing import pack_sequences, plan_micro_batches  # noqa: E402
 
 PAD = 0
@@ -106,8 +107,12 @@ def main() -> None:
         f"{args.ranks} ranks"
     )
 
-    shards = shard_sequences(seqs, args.ranks, args.micro_batch_size)
-    padded = padded_figures([m for shard in shards for m in shard.minibatches[0].micro_batches])
+    # Padded batching: each rank takes an even share by COUNT, in arrival order, cut into
+    # micro-batches of a fixed number of sequences, each padded to its longest.
+    per_rank = len(seqs) // args.ranks
+    in_order = [seqs[r * per_rank : (r + 1) * per_rank] for r in range(args.ranks)]
+    padded = padded_figures([share[i : i + args.micro_batch_size] for share in in_order
+                             for i in range(0, len(share), args.micro_batch_size)])
     by_len = sorted(seqs, key=lambda s: len(s.prompt_token_ids) + len(s.completion_token_ids))
     sorted_micro = [by_len[i : i + args.micro_batch_size] for i in range(0, len(by_len), args.micro_batch_size)]
     padded_sorted = padded_figures(sorted_micro)
@@ -118,6 +123,10 @@ def main() -> None:
     packed_real = sum(sum(r.seq_lens) for r in rows)
     packed_pairs = sum(r.input_ids.size(1) ** 2 for r in rows)
     dummies = sum(r.is_dummy for r in rows)
+    # Tandem's CPU default (learner.pack_row_tokens empty): rows as long as the micro-batch's longest sequence
+    multi = [pack_sequences([seqs[i] for i in micro], PAD, mask_dtype=None if len(micro) < 2 else torch.bool,
+                            row_tokens=None) for rank in plan for micro in rank[0] if micro]
+    multi_slots = sum(r.input_ids.numel() for r in multi)
     budget_slots = sum(max(args.token_budget, r.input_ids.size(1)) for r in rows)  # an over-budget row is its own
     needed_pairs = sum(n * n for n in lengths)
     assert padded[2] == padded_sorted[2] == packed_real == total  # every side holds every token once
@@ -126,10 +135,11 @@ def main() -> None:
         print(f"{name:<58} {micro:>6} {slots:>12} {real:>12} {1 - real / slots:>8.3f}")
 
     print(f"\n{'layout':<58} {'micro':>6} {'slots':>12} {'real':>12} {'waste':>8}")
-    line(f"(a)  padded, {args.micro_batch_size} seqs/micro, as sharded today", padded[0], padded[1], padded[2])
+    line(f"(a)  padded, {args.micro_batch_size} seqs/micro, arrival order", padded[0], padded[1], padded[2])
     line(f"(a') padded, {args.micro_batch_size} seqs/micro, sorted by length", *padded_sorted[:3])
     line(f"(b)  packed, budget {args.token_budget}: padding inside rows", len(rows), packed_slots, packed_real)
     line("(b)  packed, if padded to [1, budget]: unused budget", len(rows), budget_slots, packed_real)
+    line("(c)  packed in rows of the longest sequence (CPU default)", len(multi), multi_slots, packed_real)
 
     per_rank = [sum(lengths[i] for micro in rank[0] for i in micro) for rank in plan]
     print(
@@ -142,7 +152,9 @@ def main() -> None:
         f"padded {1 - needed_pairs / padded[3]:.3f}, sorted {1 - needed_pairs / padded_sorted[3]:.3f}, "
         f"packed with a 4D mask {1 - needed_pairs / packed_pairs:.3f}, packed with varlen flash-attention 0.000"
     )
-    print(f"\nRATIO token slots packed / padded: {packed_slots / padded[1]:.3f}")
+    print(f"\nRATIO token slots packed / padded: {packed_slots / padded[1]:.3f} (one row per micro-batch), "
+          f"{multi_slots / padded[1]:.3f} (rows of the longest sequence)")
+    print(f"padding in rows of the longest sequence: {100 * (1 - packed_real / multi_slots):.2f}% of token slots")
     inside = 1 - packed_real / packed_slots
     print(f"GOAL packing padding inside rows <= 2%: {100 * inside:.2f}% {'PASS' if inside <= 0.02 else 'FAIL'}")
 

@@ -85,6 +85,11 @@ class LearnerConfig(Section):
     token_budget: int = Field(
         4096, gt=0, description="Tokens per packed micro-batch (one forward/backward); a longer sequence gets its own."
     )
+    pack_row_tokens: int | None = Field(
+        None, ge=0,
+        description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
+        "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
+    )
 
 
 METHODS = ("reinforce", "rloo", "grpo", "grpo_process", "dr_grpo", "gspo", "cispo", "ppo")

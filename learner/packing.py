@@ -131,7 +131,7 @@ def _first_fit_decreasing(longest_first: list[int], lengths: list[int], budget: 
 
 @dataclass
 class PackedBatch:
-    """A micro-batch of n sequences packed into one row of L = sum_i len_i tokens.
+    """A micro-batch of n sequences packed back to back into R rows of Lr tokens.
 
     The completion-side fields match ``PaddedBatch`` (``[n, T]``, ``T`` = longest
     completion, zero in padding slots), so objectives, ``token_weights`` and
@@ -141,9 +141,9 @@ class PackedBatch:
     per row and needs one row per sequence).
     """
 
-    input_ids: torch.Tensor  # [1, L] the sequences' prompt + completion tokens back to back
-    position_ids: torch.Tensor  # [1, L] 0, 1, ..., len_i - 1 for each sequence
-    attention_mask: torch.Tensor | None  # [1, 1, L, L] block-diagonal causal (additive or bool), or None
+    input_ids: torch.Tensor  # [R, Lr] the sequences' prompt + completion tokens back to back
+    position_ids: torch.Tensor  # [R, Lr] 0, 1, ..., len_i - 1 for each sequence
+    attention_mask: torch.Tensor | None  # [R, 1, Lr, Lr] block-diagonal causal (additive or bool), or None
     seq_lens: list[int]  # len_i of each real sequence in row order ([] for the dummy)
     completion_index: torch.Tensor  # [n, T] position in the packed row of each completion token
     completion_valid: torch.Tensor  # [n, T] bool, True where the slot holds a completion token
@@ -164,6 +164,11 @@ class PackedBatch:
         the LM head only there: logits ``[1, N, V]`` instead of ``[1, L, V]``."""
         return self.completion_index[self.completion_valid] - 1
 
+    def logits_to_keep(self) -> torch.Tensor | int:
+        """``logits_to_keep=`` for the model: the predicting positions when there is one
+        row (the LM head then runs only there), else 0 (all positions)."""
+        return self.logit_positions if self.input_ids.size(0) == 1 else 0
+
     @property
     def completion_lengths(self) -> list[int]:
         """Completion token count of each real sequence ([] for the dummy)."""
@@ -183,21 +188,45 @@ class PackedBatch:
         }
 
 
-def block_causal_mask(seq_lens: list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Mask ``[1, 1, L, L]`` with ``allowed[q, k] = (seq(q) == seq(k)) and (k <= q)``.
+def block_causal_mask(row_seq_lens: list[list[int]], dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """Mask ``[R, 1, Lr, Lr]`` with ``allowed[r, q, k] = (seq(q) == seq(k)) and (k <= q)`` in row r.
 
-    A float ``dtype`` gives the additive form (0 where allowed, ``finfo(dtype).min``
-    elsewhere; ``sdpa`` and ``eager``). ``torch.bool`` gives ``allowed`` itself, a quarter
-    of float32's memory, which ``sdpa`` takes but ``eager`` does not (it adds the mask).
+    Rows are right-padded to ``Lr``; a padding position attends only to itself (a fully
+    masked query row would make softmax NaN). A float ``dtype`` gives the additive form
+    (0 where allowed, ``finfo(dtype).min`` elsewhere; ``sdpa`` and ``eager``);
+    ``torch.bool`` gives ``allowed`` itself (``sdpa`` only, a quarter of the memory).
     """
-    lens = torch.tensor(seq_lens, device=device)
-    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)  # [L]
-    pos = torch.arange(seq_of.numel(), device=device)  # [L]
-    allowed = (seq_of[:, None] == seq_of[None, :]) & (pos[None, :] <= pos[:, None])  # [L, L]
+    Lr = max(sum(lens) for lens in row_seq_lens)
+    seq_of = torch.full((len(row_seq_lens), Lr), -1, dtype=torch.long, device=device)  # [R, Lr]
+    for r, lens in enumerate(row_seq_lens):
+        seq_of[r, : sum(lens)] = torch.repeat_interleave(torch.arange(len(lens), device=device),
+                                                         torch.tensor(lens, device=device))
+    pos = torch.arange(Lr, device=device)
+    same = (seq_of[:, :, None] == seq_of[:, None, :]) & (seq_of[:, :, None] >= 0)  # [R, Lr, Lr]
+    allowed = (same & (pos[None, None, :] <= pos[None, :, None])) | torch.eye(Lr, dtype=torch.bool, device=device)
     if dtype == torch.bool:
-        return allowed[None, None]  # [1, 1, L, L]
+        return allowed[:, None]  # [R, 1, Lr, Lr]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]  # [1, 1, L, L]
+    return mask[:, None]
+
+
+def assign_rows(seq_lens: list[int], row_tokens: int | None) -> list[list[int]]:
+    """First-fit-decreasing of sequences into rows of at most ``row_tokens`` tokens
+    (``None``: the longest sequence's length, so attention work stays near the padded
+    case while padding all but disappears). Returns sequence indices per row."""
+    capacity = max(row_tokens or 0, max(seq_lens))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
+        for r, free in enumerate(room):
+            if seq_lens[i] <= free:
+                rows[r].append(i)
+                room[r] -= seq_lens[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - seq_lens[i])
+    return rows
 
 
 def dummy_sequence(pad_id: int) -> TrainSequence:
@@ -223,33 +252,47 @@ def pack_sequences(
     pad_id: int,
     device: torch.device | str = "cpu",
     mask_dtype: torch.dtype | None = torch.float32,
+    row_tokens: int | None = 0,
 ) -> PackedBatch:
-    """Pack ``seqs`` into one row ``[1, sum_i (p_i + c_i)]``; completion tensors ``[n, T]``.
+    """Pack ``seqs`` back to back into rows ``[R, Lr]``; completion tensors ``[n, T]``.
 
-    Sequence i occupies row positions ``[s_i, s_i + p_i + c_i)`` with
-    ``s_i = sum_{j<i} (p_j + c_j)``; its completion token t sits at ``s_i + p_i + t``.
-    ``mask_dtype`` is the dtype of the 4D mask (the model's activation dtype for the
-    additive form, ``torch.bool`` for ``sdpa`` only), or ``None`` to let transformers build
-    the mask from ``position_ids`` (see the module docstring).
+    ``row_tokens = 0`` packs everything into one row (best with a varlen attention
+    kernel); ``None`` makes rows as long as the longest sequence; a number caps rows at
+    that many tokens. Sequence i's completion token t sits at flat position
+    ``r_i * Lr + s_i + p_i + t`` (row r_i, offset s_i in its row), which is what
+    ``completion_index`` holds. ``mask_dtype`` is the dtype of the 4D mask (the model's
+    activation dtype for the additive form, ``torch.bool`` for ``sdpa`` only), or
+    ``None`` to let transformers build it from ``position_ids`` (one row only).
     An empty ``seqs`` (an empty planned micro-batch) gives the zero-weight dummy of
     ``dummy_sequence(pad_id)``, marked ``is_dummy``.
     """
     is_dummy = not seqs
     if is_dummy:
         seqs = [dummy_sequence(pad_id)]
-    seq_lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs]
     if any(not s.prompt_token_ids for s in seqs):
         raise ValueError("packing needs a non-empty prompt: the first completion token is predicted from it")
+    seq_lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs]
+    rows = [list(range(len(seqs)))] if row_tokens == 0 else assign_rows(seq_lens, row_tokens)
+    if mask_dtype is None and len(rows) > 1:
+        raise ValueError("position_ids-only packing (mask_dtype=None) needs a single row")
+    Lr = max(sum(seq_lens[i] for i in row) for row in rows)
+    input_ids = torch.full((len(rows), Lr), pad_id, dtype=torch.long)  # [R, Lr]
+    position_ids = torch.zeros((len(rows), Lr), dtype=torch.long)  # [R, Lr]
+    start = [0] * len(seqs)  # flat position of each sequence's first token
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            ids = [*seqs[i].prompt_token_ids, *seqs[i].completion_token_ids]
+            input_ids[r, offset : offset + len(ids)] = torch.tensor(ids)
+            position_ids[r, offset : offset + len(ids)] = torch.arange(len(ids))
+            start[i] = r * Lr + offset
+            offset += len(ids)
     T = max(len(s.completion_token_ids) for s in seqs)
-    tokens = [tok for s in seqs for tok in (*s.prompt_token_ids, *s.completion_token_ids)]
-    input_ids = torch.tensor(tokens, dtype=torch.long)[None]  # [1, L]
-    position_ids = torch.cat([torch.arange(n) for n in seq_lens])[None]  # [1, L]
-    starts = torch.tensor([0, *seq_lens[:-1]]).cumsum(0)  # [n]; s_i
     comp_lens = torch.tensor([len(s.completion_token_ids) for s in seqs])  # [n]
     prompt_lens = torch.tensor([len(s.prompt_token_ids) for s in seqs])  # [n]
     t = torch.arange(T)[None]  # [1, T]
     valid = t < comp_lens[:, None]  # [n, T]
-    index = torch.where(valid, (starts + prompt_lens)[:, None] + t, 0)  # [n, T]; s_i + p_i + t
+    index = torch.where(valid, (torch.tensor(start) + prompt_lens)[:, None] + t, 0)  # [n, T]; flat positions
     comp_ids = torch.zeros((len(seqs), T), dtype=torch.long)
     comp_ids[valid] = torch.tensor([tok for s in seqs for tok in s.completion_token_ids], dtype=torch.long)
     per_token = [
@@ -259,7 +302,8 @@ def pack_sequences(
         pad_rows([getattr(s, name) for s in seqs], T) if getattr(seqs[0], name) is not None else None
         for name in _OPTIONAL
     ]
-    mask = None if mask_dtype is None else block_causal_mask(seq_lens, mask_dtype, device)
+    row_lens = [[seq_lens[i] for i in row] for row in rows]
+    mask = None if mask_dtype is None else block_causal_mask(row_lens, mask_dtype, device)
     to = lambda x: None if x is None else x.to(device)
     return PackedBatch(
         to(input_ids),
@@ -287,8 +331,9 @@ def packed_at_completion(per_position: torch.Tensor, batch: PackedBatch) -> torc
     predicted by position ``p - 1`` (for a critic: the state before that token). Padding
     slots read position 0; mask them.
     """
-    prev = (batch.completion_index - 1).clamp(min=0)  # [n, T]
-    return per_position[0, prev]  # [n, T, ...]
+    prev = (batch.completion_index - 1).clamp(min=0)  # [n, T] flat positions
+    flat = per_position.reshape(1, -1, *per_position.shape[2:])  # [1, R * Lr, ...]
+    return flat[0, prev]  # [n, T, ...]
 
 
 def packed_completion_logprobs(logits: torch.Tensor, batch: PackedBatch, with_entropy: bool = False):
@@ -301,8 +346,8 @@ def packed_completion_logprobs(logits: torch.Tensor, batch: PackedBatch, with_en
     """
     valid = batch.completion_valid  # [n, T]
     n_keep = int(valid.sum())
-    if logits.size(1) == batch.input_ids.size(1):
-        picked = logits[0, batch.logit_positions]  # [N, V]
+    if logits.shape[:2] == batch.input_ids.shape:
+        picked = logits.reshape(-1, logits.size(-1))[batch.logit_positions]  # [N, V] from the flat rows
     elif logits.size(1) == n_keep:
         picked = logits[0]  # [N, V]
     else:

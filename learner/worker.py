@@ -108,6 +108,7 @@ class LearnerWorker:
         # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
         attention = getattr(self.engine.module.config, "_attn_implementation", "sdpa")
         self.mask_dtype = torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        self.row_tokens = learner["pack_row_tokens"]
         print(f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
               f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}", flush=True)
         return {"rank": self.rank, "pid": os.getpid()}
@@ -126,8 +127,8 @@ class LearnerWorker:
         """Pack the micro-batch into one row (an empty one becomes a zero-weight dummy: every
         rank must run the same number of passes for ZeRO's collectives) and read out the
         completion tokens' log-probs ``[n, T]``."""
-        batch = pack_sequences(micro_batch, self.pad_id, self.device, mask_dtype=self.mask_dtype)
-        logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logit_positions).logits
+        batch = pack_sequences(micro_batch, self.pad_id, self.device, self.mask_dtype, self.row_tokens)
+        logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
         return batch, packed_completion_logprobs(logits, batch, with_entropy=with_entropy)
 
     def score(self, shard: LearnerShard) -> list[dict[str, list[float]]]:
@@ -143,7 +144,7 @@ class LearnerWorker:
                     batch, old = self._forward_logprobs(micro)
                     fields = {"old_logprobs": old}
                     if self.reference is not None:
-                        ref_logits = self.reference(**batch.model_inputs(), logits_to_keep=batch.logit_positions)
+                        ref_logits = self.reference(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep())
                         fields["ref_logprobs"] = packed_completion_logprobs(ref_logits.logits, batch)
                     if self.critic is not None:
                         values = self.critic(**batch.model_inputs())  # [1, L]

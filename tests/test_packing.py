@@ -140,7 +140,7 @@ def test_packed_at_completion_reads_position_before_each_token():
 
 def test_block_causal_mask_bool_form():
     # seq_lens [2, 1]: [[ok, -, -], [ok, ok, -], [-, -, ok]]
-    assert block_causal_mask([2, 1], torch.bool)[0, 0].tolist() == [
+    assert block_causal_mask([[2, 1]], torch.bool)[0, 0].tolist() == [
         [True, False, False],
         [True, True, False],
         [False, False, True],
@@ -148,7 +148,7 @@ def test_block_causal_mask_bool_form():
 
 
 def test_block_causal_mask_in_bfloat16():
-    m = block_causal_mask([1, 2], torch.bfloat16)
+    m = block_causal_mask([[1, 2]], torch.bfloat16)
     # [[ok, -, -], [-, ok, -], [-, ok, ok]]
     assert (m[0, 0] == 0).int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
     assert m.dtype == torch.bfloat16 and m.min().item() == torch.finfo(torch.bfloat16).min
@@ -179,6 +179,30 @@ def test_packed_logprobs_equal_unpadded(models, impl, mask_dtype):
     assert (packed - padded).abs().max().item() < 1e-5
     assert (entropy - padded_entropy).abs().max().item() < 1e-5
     assert packed[0, 0].item() < 0  # a real log-prob, not a zeroed slot
+
+
+@pytest.mark.parametrize("row_tokens", [None, 200, 250], ids=["rows-of-longest", "rows-200", "rows-250"])
+def test_multi_row_packing_equals_unpadded(models, row_tokens):
+    # several rows, each holding whole sequences back to back, padded at the row ends only
+    model = models["sdpa"]
+    seqs = _random_seqs(SHAPES)
+    with torch.no_grad():
+        reference = _unpadded_logprobs(model, seqs)
+        batch = pack_sequences(seqs, PAD, mask_dtype=torch.bool, row_tokens=row_tokens)
+        assert batch.input_ids.shape[0] > 1  # really several rows
+        packed = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
+    for i, ref in enumerate(reference):
+        assert (packed[i, : len(ref)] - ref).abs().max().item() < 1e-5, f"sequence {i}"
+
+
+def test_rows_are_first_fit_decreasing_and_never_split_a_sequence():
+    from learner.packing import assign_rows
+
+    # lengths 5, 3, 4, 2 into rows of the longest (5): [5], [4], [3, 2]
+    assert assign_rows([5, 3, 4, 2], None) == [[0], [2], [1, 3]]
+    # rows of 7: [5, 2], [4, 3]
+    assert assign_rows([5, 3, 4, 2], 7) == [[0, 3], [2, 1]]
+    assert assign_rows([9, 1], 4) == [[0], [1]]  # a longer sequence still gets its own row
 
 
 def test_without_mask_or_positions_sequences_leak(models):
