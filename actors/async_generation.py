@@ -100,13 +100,16 @@ class AsyncGenerationActor:
         return wait
 
     # --- generation ----------------------------------------------------------------
-    async def _sample(self, prompt: str, seed: int) -> Sample:
+    async def _sample(self, prompt: str) -> Sample:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             n=1, max_tokens=self.rollout["max_tokens"], min_tokens=self.rollout["min_tokens"],
-            temperature=self.rollout["temperature"], top_p=self.rollout["top_p"], logprobs=0, seed=seed,
+            temperature=self.rollout["temperature"], top_p=self.rollout["top_p"], logprobs=0,
+            # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
+            # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
+            # for a request that is being recomputed, which is what a weight swap does.
             output_kind=RequestOutputKind.DELTA,
         )
         ids, logprobs, versions, prompt_ids, finish = [], [], [], None, "stop"
@@ -125,8 +128,7 @@ class AsyncGenerationActor:
     async def generate_group(self, request: PromptRequest):
         start = time.monotonic()
         G = self.rollout["group_size"]
-        base = (self.seed * 1_000_003 + request.prompt_id) * G
-        samples = await asyncio.gather(*[self._sample(request.row["prompt"], base + i) for i in range(G)])
+        samples = await asyncio.gather(*[self._sample(request.row["prompt"]) for _ in range(G)])
         return self.builder.group(request, list(samples), time.monotonic() - start)
 
     async def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:

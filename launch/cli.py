@@ -4,6 +4,9 @@
     tandem train --config FILE.yaml [key=value]   train with a config file and overrides
     tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
     tandem config-reference                       print every config key (Markdown)
+    tandem submit --config F --address ADDR       run training as a Ray job on a running cluster
+    tandem slurm --config F --nodes N ...         print an sbatch script (Ray over the allocation, then train)
+    tandem k8s --config F --image IMG ...         print a KubeRay RayJob manifest
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from cluster.weights import WeightsTimeout
     from launch.build import StartupError
     from launch.stepping import ActorFailed, DataTimeout
+    from launch.submit import LaunchError, SubmitError
     from queues.prompts import DatasetError
 
     return (ConfigError, DatasetError, RewardSpecError, StartupError, PlacementError, DataTimeout, ActorFailed,
-            WeightsTimeout)
+            WeightsTimeout, LaunchError, SubmitError)
 
 
 def reward_summary(metrics_path: Path) -> dict[str, float]:
@@ -73,6 +77,74 @@ def run_training(config_path: str | Path, overrides: list[str]) -> int:
     return 0
 
 
+def _render_launcher(args: argparse.Namespace) -> int:
+    """``tandem slurm`` / ``tandem k8s``: validate the config, print (or write) the script or manifest."""
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "slurm":
+        from launch.slurm import render_sbatch
+
+        text = render_sbatch(
+            cfg, args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            cpus_per_node=args.cpus_per_node, partition=args.partition, time_limit=args.time,
+            job_name=args.job_name, venv=args.venv, ray_port=args.ray_port, wait_s=args.wait,
+        )
+    else:
+        from launch.k8s import render_rayjob
+
+        env = dict(item.partition("=")[::2] for item in args.env)
+        text = render_rayjob(
+            cfg, args.config, args.overrides, name=args.name, image=args.image, namespace=args.namespace,
+            worker_replicas=args.workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
+            memory_per_worker=args.memory_per_worker, head_cpus=args.head_cpus, head_memory=args.head_memory,
+            ttl_s=args.ttl, workdir=args.workdir, env=env or None,
+        )
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
+def _add_launchers(sub) -> None:
+    sl = sub.add_parser("slurm", help="print an sbatch script: Ray over the allocation, then tandem train")
+    sl.add_argument("--config", required=True, help="YAML config (readable on the first node)")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, default=0)
+    sl.add_argument("--cpus-per-node", type=int, required=True)
+    sl.add_argument("--partition")
+    sl.add_argument("--time", default="24:00:00", help="SLURM time limit")
+    sl.add_argument("--job-name", default="tandem")
+    sl.add_argument("--venv", help="virtual environment to activate on the nodes")
+    sl.add_argument("--ray-port", type=int, default=6379)
+    sl.add_argument("--wait", type=int, default=600, help="seconds to wait for all nodes to join")
+    sl.add_argument("--out", help="write the script here instead of stdout")
+    sl.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    k8 = sub.add_parser("k8s", help="print a KubeRay RayJob manifest")
+    k8.add_argument("--config", required=True, help="config path inside the image (relative to --workdir)")
+    k8.add_argument("--image", required=True, help="container image with Tandem and Ray installed")
+    k8.add_argument("--name", default="tandem")
+    k8.add_argument("--namespace")
+    k8.add_argument("--workers", type=int, required=True, help="worker pods")
+    k8.add_argument("--gpus-per-worker", type=int, default=0)
+    k8.add_argument("--cpus-per-worker", type=int, required=True)
+    k8.add_argument("--memory-per-worker", default="32Gi")
+    k8.add_argument("--head-cpus", type=int, default=2)
+    k8.add_argument("--head-memory", default="8Gi")
+    k8.add_argument("--ttl", type=int, default=600, help="seconds the finished cluster is kept")
+    k8.add_argument("--workdir", help="directory in the image to run from")
+    k8.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env var for the job (repeat)")
+    k8.add_argument("--out", help="write the manifest here instead of stdout")
+    k8.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    sb = sub.add_parser("submit", help="run training as a Ray job on a running cluster")
+    sb.add_argument("--config", required=True, help="YAML config inside --working-dir")
+    sb.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://head:8265")
+    sb.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: here)")
+    sb.add_argument("--no-follow", action="store_true", help="return after submitting")
+    sb.add_argument("--timeout", type=float, help="stop the job after this many seconds")
+    sb.add_argument("overrides", nargs="*", help="config overrides, key=value")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous actor-learner RL for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,23 +152,35 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("overrides", nargs="*", help="config overrides, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
     tr.add_argument("--config", required=True, help="YAML config file")
+    tr.add_argument("--address", help="join this Ray cluster (host:port or 'auto') instead of starting a local Ray")
     tr.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. learner.lr=3e-4)")
     tiny = sub.add_parser("tiny-model", help="build the tiny random-init Qwen2 model and tokenizer")
     tiny.add_argument("dir")
     sub.add_parser("config-reference", help="print the config reference (Markdown)")
+    _add_launchers(sub)
     args = parser.parse_args(argv)
 
     try:
         if args.command == "config-reference":
             print(config_reference())
             return 0
+        if args.command in ("slurm", "k8s"):
+            return _render_launcher(args)
+        if args.command == "submit":
+            from launch.submit import submit
+
+            load_config(args.config, args.overrides)  # config mistakes fail here, not on the cluster
+            status = submit(args.address, args.config, args.overrides, working_dir=args.working_dir,
+                            follow=not args.no_follow, timeout_s=args.timeout)
+            return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
         if args.command == "tiny-model":
             from actors.tiny_model import build_tiny_model
 
             print(build_tiny_model(args.dir))
             return 0
         config = DEMO_CONFIG if args.command == "demo" else args.config
-        return run_training(config, args.overrides)
+        address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
+        return run_training(config, args.overrides + address)
     except _user_errors() as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2

@@ -52,10 +52,23 @@ def render_rayjob(
     ``workdir`` when given (the entrypoint ``cd``s there first, so the config's relative data and reward
     paths resolve as they do locally). ``env`` becomes the job's ``runtimeEnvYAML`` env_vars (never secrets:
     put those in a Kubernetes Secret). ``ray_version`` defaults to the Ray installed here."""
-    _check_args(name, namespace, worker_replicas, gpus_per_worker, cpus_per_worker, head_cpus,
-                memory_per_worker, head_memory, ttl_s)
+    _check_args(
+        name,
+        namespace,
+        worker_replicas,
+        gpus_per_worker,
+        cpus_per_worker,
+        head_cpus,
+        memory_per_worker,
+        head_memory,
+        ttl_s,
+    )
     check_allocation(
-        cfg, machines=worker_replicas, gpus_each=gpus_per_worker, cpus_each=cpus_per_worker, unit="worker pods",
+        cfg,
+        machines=worker_replicas,
+        gpus_each=gpus_per_worker,
+        cpus_each=cpus_per_worker,
+        unit="worker pods",
         fix="raise --workers, --gpus-per-worker or --cpus-per-worker",
     )
     entrypoint = train_command(config_path, overrides, "resources.address=auto")
@@ -80,8 +93,14 @@ def render_rayjob(
                     "minReplicas": worker_replicas,
                     "maxReplicas": worker_replicas,
                     "rayStartParams": {},  # KubeRay derives num-cpus / num-gpus from the container limits
-                    "template": _pod("ray-worker", image, cpus=cpus_per_worker, memory=memory_per_worker,
-                                     gpus=gpus_per_worker, head=False),
+                    "template": _pod(
+                        "ray-worker",
+                        image,
+                        cpus=cpus_per_worker,
+                        memory=memory_per_worker,
+                        gpus=gpus_per_worker,
+                        head=False,
+                    ),
                 }
             ],
         },
@@ -126,8 +145,15 @@ def _pod(container: str, image: str, *, cpus: int, memory: str, gpus: int, head:
 
 
 def _check_args(
-    name: str, namespace: str | None, replicas: int, gpus: int, cpus: int, head_cpus: int, memory: str,
-    head_memory: str, ttl_s: int,
+    name: str,
+    namespace: str | None,
+    replicas: int,
+    gpus: int,
+    cpus: int,
+    head_cpus: int,
+    memory: str,
+    head_memory: str,
+    ttl_s: int,
 ) -> None:
     for flag, value in (("--name", name), ("--namespace", namespace)):
         if value is not None and (len(value) > 63 or not _DNS_LABEL.fullmatch(value)):

@@ -109,7 +109,11 @@ def render_sbatch(
     if gpus_per_node < 0 or wait_s < 0:
         raise LaunchError("gpus_per_node and wait_s cannot be negative")
     check_allocation(
-        cfg, machines=nodes, gpus_each=gpus_per_node, cpus_each=cpus_per_node, unit="nodes",
+        cfg,
+        machines=nodes,
+        gpus_each=gpus_per_node,
+        cpus_each=cpus_per_node,
+        unit="nodes",
         fix="raise --nodes, --gpus-per-node or --cpus-per-node",
     )
     return _SCRIPT.substitute(

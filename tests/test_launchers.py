@@ -1,0 +1,320 @@
+"""Cluster launchers without a cluster: the SLURM script (syntax, and run against stub srun/ray/tandem),
+the KubeRay RayJob manifest, Ray job submission (unreachable address, log following with a fake client)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.config import load_config
+from launch.k8s import render_rayjob
+from launch.slurm import render_sbatch
+from launch.submit import LaunchError, SubmitError, build_job, follow_job, submit, train_command
+
+# 2 actors x 1 GPU + 2 learner ranks x 1 GPU = 4 GPUs; 2 x 1 + 2 x 1 = 4 CPUs.
+PLAN = [
+    "model.path=Qwen/Qwen2.5-0.5B",
+    "data.prompts=data.jsonl",
+    "reward.function=r.py:f",
+    "resources.actors.count=2",
+    "resources.actors.num_gpus=1",
+    "resources.learner.ranks=2",
+    "resources.learner.num_gpus=1",
+]
+# A space and a command substitution: both must reach tandem as literal single arguments.
+OVERRIDES = ["run.name=my run", "run.output_dir=$(touch pwned)"]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(None, PLAN)
+
+
+def sbatch(cfg, **kw) -> str:
+    args = dict(
+        nodes=3,
+        gpus_per_node=2,
+        cpus_per_node=4,
+        partition="gpu",
+        time_limit="1-00:00:00",
+        job_name="tandem",
+        venv=None,
+    )
+    return render_sbatch(cfg, "configs/my grpo.yaml", OVERRIDES, **{**args, **kw})
+
+
+def rayjob(cfg, **kw) -> dict:
+    args = dict(
+        name="tandem-grpo",
+        image="ghcr.io/me/tandem:1",
+        namespace="rl",
+        worker_replicas=2,
+        gpus_per_worker=2,
+        cpus_per_worker=8,
+        memory_per_worker="64Gi",
+        head_cpus=2,
+        head_memory="8Gi",
+    )
+    return yaml.safe_load(render_rayjob(cfg, "configs/grpo.yaml", OVERRIDES, **{**args, **kw}))
+
+
+# --- SLURM -----------------------------------------------------------------------------------------------
+
+
+def test_sbatch_is_valid_bash_with_the_allocation_and_the_ray_pattern(cfg, tmp_path):
+    script = sbatch(cfg)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True, capture_output=True)
+    for line in (
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=2",
+        "#SBATCH --cpus-per-task=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=1-00:00:00",
+    ):
+        assert line in script.splitlines()
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
+    assert "ray start --head" in script and '--address="$ray_address"' in script
+    assert 'for node in "${nodes[@]:1}"' in script  # workers on every node but the head
+    assert "deadline=$((SECONDS + 600))" in script and "wait_for_nodes 3" in script
+    assert "trap cleanup EXIT" in script
+    assert (
+        "tandem train --config 'configs/my grpo.yaml' \"resources.address=$ray_address\" "
+        "'run.name=my run' 'run.output_dir=$(touch pwned)'"
+    ) in script
+
+
+def test_sbatch_without_gpus_has_no_gpu_directive():
+    cpu_cfg = load_config(None, PLAN[:3])
+    script = render_sbatch(
+        cpu_cfg,
+        "c.yaml",
+        [],
+        nodes=1,
+        gpus_per_node=0,
+        cpus_per_node=2,
+        partition=None,
+        time_limit="10:00",
+        job_name="t",
+        venv="/opt/my venv",
+    )
+    assert "--gpus-per-node" not in script and "--partition" not in script
+    assert "source '/opt/my venv/bin/activate'" in script
+
+
+def _stubs(tmp_path: Path, nodes_up: int, tandem_rc: int) -> dict[str, str]:
+    """Fake scontrol/srun/ray/python3/tandem on PATH that log what the script asks of them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "scontrol": "printf 'n1\\nn2\\nn3\\n'",
+        "srun": 'echo "srun $*" >> "$LOG"; [[ " $* " == *" hostname "* ]] && echo "10.0.0.1 fe80::1"; exit 0',
+        "ray": 'echo "ray $*" >> "$LOG"',
+        "python3": f"echo {nodes_up}",  # the node count the wait loop polls
+        "tandem": f'printf "%s\\n" "$@" > "$ARGS"; exit {tandem_rc}',
+        "sleep": "exit 0",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LOG": str(tmp_path / "log"),
+        "ARGS": str(tmp_path / "args"),
+        "SLURM_JOB_NODELIST": "n[1-3]",
+    }
+
+
+def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
+    (tmp_path / "job.sbatch").write_text(sbatch(cfg))
+    env = _stubs(tmp_path, nodes_up=3, tandem_rc=3)
+    done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3, done.stderr  # tandem's exit status is the job's
+    log = (tmp_path / "log").read_text().splitlines()
+    assert (
+        "srun --nodes=1 --ntasks=1 -w n1 ray start --head --node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 "
+        "--num-gpus=2 --block" in log
+    )
+    for worker in ("n2", "n3"):
+        assert (
+            f"srun --nodes=1 --ntasks=1 -w {worker} ray start --address=10.0.0.1:6379 --num-cpus=4 "
+            "--num-gpus=2 --block" in log
+        )
+    assert log[-1] == "ray stop --force"  # the EXIT trap
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args == ["train", "--config", "configs/my grpo.yaml", "resources.address=10.0.0.1:6379", *OVERRIDES]
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_sbatch_gives_up_at_the_deadline_with_a_clear_error(cfg, tmp_path):
+    (tmp_path / "job.sbatch").write_text(sbatch(cfg, wait_s=0))
+    env = _stubs(tmp_path, nodes_up=1, tandem_rc=0)  # the head comes up, the workers never do
+    done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert "error: only 1 of 3 Ray nodes joined 10.0.0.1:6379 within 0 s" in done.stderr
+    assert not (tmp_path / "args").exists()  # training never started
+    assert (tmp_path / "log").read_text().splitlines()[-1] == "ray stop --force"
+
+
+def test_sbatch_refuses_an_allocation_too_small(cfg):
+    with pytest.raises(ValueError) as err:
+        sbatch(cfg, nodes=1, gpus_per_node=2)  # 4 GPUs asked, 1 x 2 = 2
+    message = str(err.value)
+    assert "needs 4 GPUs (2 actors x 1 + 2 learner ranks x 1) but 1 nodes x 2 GPUs = 2" in message
+    assert "raise --nodes" in message and "\n" not in message
+    with pytest.raises(ValueError, match="needs 4 CPUs .* but 3 nodes x 1 CPUs = 3"):
+        sbatch(cfg, cpus_per_node=1)
+    big_rank = load_config(None, PLAN + ["resources.learner.num_gpus=4"])
+    with pytest.raises(ValueError, match="one learner rank asks for 4 GPUs but each of the nodes has 2"):
+        sbatch(big_rank, nodes=8)  # 10 GPUs fit in 16, but no node holds a 4-GPU rank
+
+
+def test_sbatch_refuses_values_sbatch_would_misread(cfg):
+    with pytest.raises(LaunchError, match="--job-name"):
+        sbatch(cfg, job_name="x\n#SBATCH --nodes=99")
+    with pytest.raises(LaunchError, match="resources.address is set by the launcher"):
+        render_sbatch(
+            cfg,
+            "c.yaml",
+            ["resources.address=h:1"],
+            nodes=3,
+            gpus_per_node=2,
+            cpus_per_node=4,
+            partition=None,
+            time_limit="1:00:00",
+            job_name="t",
+            venv=None,
+        )
+
+
+# --- Kubernetes --------------------------------------------------------------------------------------------
+
+
+def test_rayjob_manifest(cfg):
+    job = rayjob(cfg, workdir="/app", env={"HF_HOME": "/cache/hf"})
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    assert job["metadata"]["name"] == "tandem-grpo" and job["metadata"]["namespace"] == "rl"
+    spec = job["spec"]
+    assert spec["entrypoint"] == (
+        "cd /app && tandem train --config configs/grpo.yaml resources.address=auto "
+        "'run.name=my run' 'run.output_dir=$(touch pwned)'"
+    )
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"HF_HOME": "/cache/hf"}}
+    head = spec["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # nothing of the plan lands on the head
+    assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
+    [workers] = spec["rayClusterSpec"]["workerGroupSpecs"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == 2
+    worker = workers["template"]["spec"]["containers"][0]
+    assert worker["image"] == "ghcr.io/me/tandem:1"
+    for side in ("requests", "limits"):
+        assert worker["resources"][side] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}
+
+
+def test_rayjob_cpu_workers_ask_for_no_gpus():
+    cpu_cfg = load_config(None, PLAN[:3])
+    job = yaml.safe_load(
+        render_rayjob(
+            cpu_cfg,
+            "c.yaml",
+            [],
+            name="t",
+            image="i",
+            namespace=None,
+            worker_replicas=1,
+            gpus_per_worker=0,
+            cpus_per_worker=2,
+            memory_per_worker="4Gi",
+            head_cpus=1,
+            head_memory="2Gi",
+        )
+    )
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in worker["resources"]["limits"]
+    assert "namespace" not in job["metadata"] and "runtimeEnvYAML" not in job["spec"]
+
+
+def test_rayjob_refuses_too_few_workers_and_bad_names(cfg):
+    with pytest.raises(ValueError, match="needs 4 GPUs .* but 1 worker pods x 2 GPUs = 2; raise --workers"):
+        rayjob(cfg, worker_replicas=1)
+    with pytest.raises(LaunchError, match="--name"):
+        rayjob(cfg, name="Tandem_GRPO")
+    with pytest.raises(LaunchError, match="Kubernetes quantity"):
+        rayjob(cfg, memory_per_worker="64 GB")
+
+
+# --- Ray job submission ---------------------------------------------------------------------------------------
+
+
+def test_train_command_quotes_every_user_value():
+    assert train_command("a b.yaml", ["x=1", "y=$HOME"], None) == "tandem train --config 'a b.yaml' x=1 'y=$HOME'"
+
+
+def test_job_ships_the_working_dir_without_local_state(tmp_path, monkeypatch):
+    (tmp_path / "configs" / "sub").mkdir(parents=True)
+    (tmp_path / "configs" / "g.yaml").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    entrypoint, runtime_env = build_job("configs/g.yaml", OVERRIDES, str(tmp_path))
+    assert entrypoint == (
+        "python -m launch.cli train --config configs/g.yaml resources.address=auto "
+        "'run.name=my run' 'run.output_dir=$(touch pwned)'"
+    )
+    assert runtime_env == {"working_dir": str(tmp_path), "excludes": [".venv", "runs", ".git", "__pycache__"]}
+    with pytest.raises(LaunchError, match="outside the working dir"):
+        build_job(str(tmp_path / "configs" / "g.yaml"), [], str(tmp_path / "configs" / "sub"))
+
+
+def test_submit_to_an_unreachable_address_fails_fast(tmp_path, monkeypatch):
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "g.yaml").write_text("{}")
+    started = time.monotonic()
+    with pytest.raises(SubmitError) as err:
+        submit("http://127.0.0.1:1", str(tmp_path / "g.yaml"), [], working_dir=str(tmp_path))
+    assert time.monotonic() - started < 5
+    message = str(err.value)
+    assert "no Ray job server at http://127.0.0.1:1" in message and "ray start --head" in message
+    assert "\n" not in message
+
+
+class FakeJobs:
+    """The three JobSubmissionClient calls follow_job makes; logs arrive in chunks, then the job ends."""
+
+    def __init__(self, chunks: list[str], statuses: list[str], hang: bool = False):
+        self.chunks, self.statuses, self.hang, self.stopped = chunks, statuses, hang, []
+
+    async def tail_job_logs(self, job_id):
+        for chunk in self.chunks:
+            yield chunk
+        if self.hang:
+            await asyncio.sleep(60)
+
+    def get_job_status(self, job_id):
+        return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+    def stop_job(self, job_id):
+        self.stopped.append(job_id)
+
+
+def test_follow_streams_logs_and_returns_the_final_status(capsys):
+    jobs = FakeJobs(["step 1\n", "step 2\n"], ["FAILED"])
+    assert follow_job(jobs, "raysubmit_1", timeout_s=None) == "FAILED"
+    assert capsys.readouterr().out == "step 1\nstep 2\n"
+
+
+def test_follow_stops_the_job_at_the_deadline():
+    jobs = FakeJobs(["step 1\n"], ["RUNNING"], hang=True)
+    started = time.monotonic()
+    with pytest.raises(SubmitError, match="raysubmit_2 still running after 0.2s"):
+        follow_job(jobs, "raysubmit_2", timeout_s=0.2)
+    assert time.monotonic() - started < 2 and jobs.stopped == ["raysubmit_2"]
