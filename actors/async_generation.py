@@ -66,7 +66,10 @@ class AsyncGenerationActor:
                                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                         self.step_delimiter)
             print(f"[{self.name}] async engine ready ({self.model_path}, {self.dtype})", flush=True)
-        return {"name": self.name, "pid": os.getpid(), "version": self.version}
+        import ray
+
+        return {"name": self.name, "pid": os.getpid(), "version": self.version,
+                "node": ray.get_runtime_context().get_node_id()}
 
     # --- weights -------------------------------------------------------------------
     async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:

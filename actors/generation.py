@@ -84,7 +84,10 @@ class GenerationActor:
         print(f"[{name}] engine ready ({model_path}, {dtype})", flush=True)
 
     def ready(self) -> dict[str, Any]:
-        return {"name": self.name, "pid": os.getpid(), "version": self.version}
+        import ray
+
+        return {"name": self.name, "pid": os.getpid(), "version": self.version,
+                "node": ray.get_runtime_context().get_node_id()}
 
     # --- weights -------------------------------------------------------------------
     def load_weights(self, named_tensors: list, version: int) -> int:

@@ -83,7 +83,8 @@ def _as_future(ref):
     return get()
 
 
-async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog) -> list:
+async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: list) -> list:
+    """``scheduling``: one placement-group bundle strategy per actor (from ``cluster.placement.reserve``)."""
     import ray
 
     from actors.async_generation import AsyncGenerationActor
@@ -97,7 +98,7 @@ async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLo
         name = f"actor-{i}"
         log = run.log_path(name)
         actors.append(
-            Actor.options(**generation_actor_options(placement, i, engine)).remote(
+            Actor.options(**generation_actor_options(placement, i, engine, scheduling[i])).remote(
                 name=name,
                 model_path=model_path,
                 engine=engine,
@@ -111,21 +112,27 @@ async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLo
         )
         names.append(name)
         logs.append(log)
-    await _await_ready([a.ready.remote() for a in actors], names, logs, cfg.run.startup_timeout_s)
+    infos = await _await_ready([a.ready.remote() for a in actors], names, logs, cfg.run.startup_timeout_s)
+    run.placement.update({info["name"]: info["node"] for info in infos})
     return actors
 
 
-async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog):
+async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: list | None = None):
+    """``scheduling``: one placement-group bundle strategy per rank (None: plain resource requests)."""
     import ray
 
     from learner.group import LearnerGroup
     from learner.worker import LearnerWorker
 
     ranks = cfg.resources.learner.ranks
-    Worker = ray.remote(LearnerWorker).options(**learner_rank_options(cfg.resources.learner.model_dump()))
+    placement = cfg.resources.learner.model_dump()
     names = [f"learner-{r}" for r in range(ranks)]
     logs = [run.log_path(n) for n in names]
-    workers = [Worker.remote(r, ranks, log) for r, log in zip(range(ranks), logs)]
+    workers = [
+        ray.remote(LearnerWorker).options(**learner_rank_options(placement, scheduling[r] if scheduling else None))
+        .remote(r, ranks, log)
+        for r, log in zip(range(ranks), logs)
+    ]
     master_addr, master_port = await workers[0].rendezvous_address.remote()
     setups = [
         w.setup.remote(
@@ -139,7 +146,8 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog):
         )
         for w in workers
     ]
-    await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
+    infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
+    run.placement.update({f"learner-{info['rank']}": info["node"] for info in infos})
     return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.token_budget, cfg.rollout.max_tokens)
 
 

@@ -4,6 +4,7 @@
     tandem train --config FILE.yaml [key=value]   train with a config file and overrides
     tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
     tandem config-reference                       print every config key (Markdown)
+    tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
     tandem submit --config F --address ADDR       run training as a Ray job on a running cluster
     tandem slurm --config F --nodes N ...         print an sbatch script (Ray over the allocation, then train)
     tandem k8s --config F --image IMG ...         print a KubeRay RayJob manifest
@@ -106,7 +107,33 @@ def _render_launcher(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_plan(config_path: str, overrides: list[str], address: str | None) -> int:
+    """``tandem plan``: the placement, checked against a running cluster when ``--address`` is given."""
+    from cluster.placement import check_fits, describe_plan, local_ray_cpus
+
+    cfg = load_config(config_path, overrides)
+    resources = cfg.resources.model_dump()
+    if not address:
+        print(describe_plan(resources))
+        print(f"local Ray would advertise {local_ray_cpus(resources)} CPUs (pass --address to check a cluster)")
+        return 0
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        print(describe_plan(resources, [n for n in ray.nodes() if n["Alive"]]))
+        check_fits(resources, ray.cluster_resources())
+        print("fits: the cluster's totals cover the plan (Ray still places each bundle on one node)")
+    finally:
+        ray.shutdown()
+    return 0
+
+
 def _add_launchers(sub) -> None:
+    pl = sub.add_parser("plan", help="print the placement without running it")
+    pl.add_argument("--config", required=True)
+    pl.add_argument("--address", help="check against this running Ray cluster")
+    pl.add_argument("overrides", nargs="*", help="config overrides, key=value")
     sl = sub.add_parser("slurm", help="print an sbatch script: Ray over the allocation, then tandem train")
     sl.add_argument("--config", required=True, help="YAML config (readable on the first node)")
     sl.add_argument("--nodes", type=int, required=True)
@@ -164,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config-reference":
             print(config_reference())
             return 0
+        if args.command == "plan":
+            return show_plan(args.config, args.overrides, args.address)
         if args.command in ("slurm", "k8s"):
             return _render_launcher(args)
         if args.command == "submit":

@@ -169,12 +169,18 @@ class ActorPlacement(Section):
     count: int = Field(1, gt=0, description="Number of generation actors (one vLLM engine each).")
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per generation actor.")
     num_gpus: float = Field(0, ge=0, description="Ray GPUs per generation actor (vLLM uses them).")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per actor, e.g. {rollout_node: 1}, to pin them to nodes."
+    )
 
 
 class LearnerPlacement(Section):
     ranks: int = Field(1, gt=0, description="Data-parallel learner ranks (one DeepSpeed process each).")
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per learner rank.")
     num_gpus: float = Field(0, ge=0, description="Ray GPUs per learner rank.")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per rank, e.g. {train_node: 1}, to pin them to nodes."
+    )
 
 
 class ResourcesConfig(Section):
@@ -182,6 +188,10 @@ class ResourcesConfig(Section):
     local_num_cpus: int | None = Field(
         None, gt=0, description="CPUs a local Ray advertises (default: this machine's cores, or what the plan needs)."
     )
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for all actors and ranks (one bundle each)."
+    )
+    placement_timeout_s: float = Field(60, gt=0, description="Longest wait for the placement group to be placed.")
     actors: ActorPlacement = Field(default_factory=ActorPlacement)
     learner: LearnerPlacement = Field(default_factory=LearnerPlacement)
 

@@ -42,6 +42,7 @@ class RunLog:
             self.say("tensorboard is not importable; metrics go to metrics.jsonl only")
         self.start = time.monotonic()
         self.first_step_at: float | None = None
+        self.placement: dict[str, str] = {}  # process name -> Ray node id
 
     @classmethod
     def create(cls, output_dir: str, name: str, config: dict[str, Any], total_steps: int) -> "RunLog":

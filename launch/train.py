@@ -15,6 +15,7 @@ import asyncio
 import time
 from typing import Any
 
+from cluster.placement import reserve
 from cluster.weights import build_weight_channel
 from launch.build import build_generation_actors, build_learner_group, start_ray
 from launch.config import TandemConfig
@@ -34,9 +35,13 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
     results_queue = build_queue("ray", "results", maxsize=P * (k + 2))
     channel = build_weight_channel("ray")
+    scheduling = reserve(cfg.resources.model_dump())  # one placement group: a bundle per actor and rank
+    n_actors = cfg.resources.actors.count
     actors, learner = await asyncio.gather(
-        build_generation_actors(cfg, model_path, run), build_learner_group(cfg, model_path, run)
+        build_generation_actors(cfg, model_path, run, scheduling[:n_actors]),
+        build_learner_group(cfg, model_path, run, scheduling[n_actors:]),
     )
+    run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
     timeouts = {"data_s": cfg.run.data_timeout_s, "weights_s": cfg.run.weights_timeout_s}
     actor_loops = {a.run.remote(prompt_queue, results_queue, channel, timeouts): f"actor-{i}"
                    for i, a in enumerate(actors)}
@@ -68,4 +73,4 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         rollout.cancel()
         channel.close()
     finals = await asyncio.gather(*actor_loops, return_exceptions=True)
-    return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals]}
+    return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals], "placement": run.placement}

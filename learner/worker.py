@@ -111,7 +111,9 @@ class LearnerWorker:
         self.row_tokens = learner["pack_row_tokens"]
         print(f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
               f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}", flush=True)
-        return {"rank": self.rank, "pid": os.getpid()}
+        import ray
+
+        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def _engine(self, model, learner: dict[str, Any], dtype: str):
         import deepspeed
