@@ -11,7 +11,6 @@ resumes: a long generation never blocks an update.
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import time
 import uuid
@@ -33,9 +32,18 @@ def weights_to_bytes(named_tensors: list) -> bytes:
 class AsyncGenerationActor:
     """An async Ray actor owning an ``AsyncLLM``. Same constructor as ``GenerationActor``."""
 
-    def __init__(self, name: str, model_path: str, engine: dict[str, Any], rollout: dict[str, Any],
-                 reward_function: str, dtype: str, seed: int, log_path: str | None = None,
-                 step_delimiter: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        engine: dict[str, Any],
+        rollout: dict[str, Any],
+        reward_function: str,
+        dtype: str,
+        seed: int,
+        log_path: str | None = None,
+        step_delimiter: str | None = None,
+    ):
         redirect_output(log_path)
         self.name, self.model_path, self.engine_cfg, self.rollout = name, model_path, engine, rollout
         self.dtype, self.seed = dtype, seed
@@ -53,23 +61,37 @@ class AsyncGenerationActor:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self.engine is None:
-            memory = ({"gpu_memory_utilization": self.engine_cfg["gpu_memory_utilization"]} if torch.cuda.is_available()
-                      else {"kv_cache_memory_bytes": self.engine_cfg["kv_cache_gib"] << 30})
+            memory = (
+                {"gpu_memory_utilization": self.engine_cfg["gpu_memory_utilization"]}
+                if torch.cuda.is_available()
+                else {"kv_cache_memory_bytes": self.engine_cfg["kv_cache_gib"] << 30}
+            )
             args = AsyncEngineArgs(
-                model=self.model_path, dtype=self.dtype, seed=self.seed,
-                max_model_len=self.engine_cfg["max_model_len"], enforce_eager=self.engine_cfg["enforce_eager"],
-                worker_extension_cls="actors.vllm_worker.WeightReceiver", **memory,
+                model=self.model_path,
+                dtype=self.dtype,
+                seed=self.seed,
+                max_model_len=self.engine_cfg["max_model_len"],
+                enforce_eager=self.engine_cfg["enforce_eager"],
+                worker_extension_cls="actors.vllm_worker.WeightReceiver",
+                **memory,
             )
             self.engine = AsyncLLM.from_engine_args(args)
             tokenizer = self.engine.tokenizer
-            self.builder = GroupBuilder(self.name, load_reward_function(self.reward_function),
-                                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                        self.step_delimiter)
+            self.builder = GroupBuilder(
+                self.name,
+                load_reward_function(self.reward_function),
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                self.step_delimiter,
+            )
             print(f"[{self.name}] async engine ready ({self.model_path}, {self.dtype})", flush=True)
         import ray
 
-        return {"name": self.name, "pid": os.getpid(), "version": self.version,
-                "node": ray.get_runtime_context().get_node_id()}
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "version": self.version,
+            "node": ray.get_runtime_context().get_node_id(),
+        }
 
     # --- weights -------------------------------------------------------------------
     async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:
@@ -108,8 +130,12 @@ class AsyncGenerationActor:
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            n=1, max_tokens=self.rollout["max_tokens"], min_tokens=self.rollout["min_tokens"],
-            temperature=self.rollout["temperature"], top_p=self.rollout["top_p"], logprobs=0,
+            n=1,
+            max_tokens=self.rollout["max_tokens"],
+            min_tokens=self.rollout["min_tokens"],
+            temperature=self.rollout["temperature"],
+            top_p=self.rollout["top_p"],
+            logprobs=0,
             # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
             # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
             # for a request that is being recomputed, which is what a weight swap does.

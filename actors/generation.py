@@ -75,8 +75,12 @@ class GenerationActor:
             **memory,
         )
         tokenizer = self.llm.get_tokenizer()
-        self.builder = GroupBuilder(name, load_reward_function(reward_function),
-                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), step_delimiter)
+        self.builder = GroupBuilder(
+            name,
+            load_reward_function(reward_function),
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            step_delimiter,
+        )
         self.version = 0  # policy version of the weights now loaded
         self.weight_loads = 0
         self.weight_wait_s = 0.0  # time spent waiting for / loading weights
@@ -86,8 +90,12 @@ class GenerationActor:
     def ready(self) -> dict[str, Any]:
         import ray
 
-        return {"name": self.name, "pid": os.getpid(), "version": self.version,
-                "node": ray.get_runtime_context().get_node_id()}
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "version": self.version,
+            "node": ray.get_runtime_context().get_node_id(),
+        }
 
     # --- weights -------------------------------------------------------------------
     def load_weights(self, named_tensors: list, version: int) -> int:
@@ -142,14 +150,16 @@ class GenerationActor:
         samples = []
         for completion in output.outputs:
             ids = list(completion.token_ids)
-            samples.append(Sample(
-                prompt_token_ids=list(output.prompt_token_ids),
-                token_ids=ids,
-                logprobs=[step[tok].logprob for tok, step in zip(ids, completion.logprobs)],
-                versions=[self.version] * len(ids),
-                finish_reason="length" if completion.finish_reason == "length" else "stop",
-                text=completion.text,
-            ))
+            samples.append(
+                Sample(
+                    prompt_token_ids=list(output.prompt_token_ids),
+                    token_ids=ids,
+                    logprobs=[step[tok].logprob for tok, step in zip(ids, completion.logprobs)],
+                    versions=[self.version] * len(ids),
+                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    text=completion.text,
+                )
+            )
         return samples
 
     def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:

@@ -13,8 +13,9 @@ import importlib.util
 import inspect
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -34,9 +35,7 @@ def load_reward_function(spec: str) -> RewardFn:
             raise RewardSpecError(f"reward.function {spec!r}: {exc.args[0]}") from None
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
-        raise RewardSpecError(
-            f"reward.function {spec!r} must be 'path/to/file.py:function_name' or 'builtin:<task>'"
-        )
+        raise RewardSpecError(f"reward.function {spec!r} must be 'path/to/file.py:function_name' or 'builtin:<task>'")
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
         raise RewardSpecError(f"reward.function file {path} does not exist; check the path before ':'")

@@ -8,8 +8,8 @@ typed message the results queue carries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from actors.rewards import RewardFn, score, score_steps, step_end_tokens
 from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
@@ -26,8 +26,13 @@ class Sample:
 
 
 class GroupBuilder:
-    def __init__(self, actor_name: str, reward_fn: RewardFn, decode: Callable[[list[int]], str],
-                 step_delimiter: str | None = None):
+    def __init__(
+        self,
+        actor_name: str,
+        reward_fn: RewardFn,
+        decode: Callable[[list[int]], str],
+        step_delimiter: str | None = None,
+    ):
         self.actor_name, self.reward_fn, self.decode = actor_name, reward_fn, decode
         self.step_delimiter = step_delimiter
 
@@ -53,8 +58,9 @@ class GroupBuilder:
                 )
             )
         if first_error:
-            print(f"[{self.actor_name}] reward function failed on prompt {request.prompt_id}: {first_error}",
-                  flush=True)
+            print(
+                f"[{self.actor_name}] reward function failed on prompt {request.prompt_id}: {first_error}", flush=True
+            )
         return TrajectoryGroup(
             prompt_id=request.prompt_id,
             row=request.row,

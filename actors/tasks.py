@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 DIGITS = "0123456789"
 
@@ -144,10 +144,7 @@ ECHO_PREFIX = "copy "
 
 def echo_rows(n: int, seed: int = 0) -> list[dict]:
     """Rows ``{"prompt": "copy d:", "answer": "d", "task": "echo"}``."""
-    return [
-        {"prompt": f"{ECHO_PREFIX}{d}:", "answer": d, "task": "echo"}
-        for d in _balanced_digits(n, seed)
-    ]
+    return [{"prompt": f"{ECHO_PREFIX}{d}:", "answer": d, "task": "echo"} for d in _balanced_digits(n, seed)]
 
 
 def echo_reward(prompt: str, completion: str, row: dict | None = None) -> float:

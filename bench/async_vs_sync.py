@@ -27,8 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(name: str, out: Path, common: list[str], extra: list[str]) -> dict:
     start = time.monotonic()
-    cmd = [sys.executable, "-m", "launch.cli", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
-           f"run.output_dir={out / name}", f"run.name={name}", *common, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        f"run.output_dir={out / name}",
+        f"run.name={name}",
+        *common,
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -52,24 +62,44 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=384)
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--async-k", type=int, nargs="+", default=[2], help="max_staleness of the async runs")
     args = parser.parse_args()
-    common = [f"run.steps={args.steps}", f"rollout.max_tokens={args.max_tokens}", "rollout.min_tokens=0",
-              f"rollout.prompts_per_step={args.prompts}", "rollout.group_size=8", "learner.lr=1e-7",
-              "rollout.prompts_per_request=16", f"rollout.max_inflight_prompts={args.prompts * 2}"]
+    common = [
+        f"run.steps={args.steps}",
+        f"rollout.max_tokens={args.max_tokens}",
+        "rollout.min_tokens=0",
+        f"rollout.prompts_per_step={args.prompts}",
+        "rollout.group_size=8",
+        "learner.lr=1e-7",
+        "rollout.prompts_per_request=16",
+        f"rollout.max_inflight_prompts={args.prompts * 2}",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         print(f"{args.steps} steps x {args.prompts} prompts x 8 samples, max_tokens {args.max_tokens}", flush=True)
-        sync = run("sync", out, common, ["run.max_staleness=0", "rollout.weight_update=between_requests"])
-        asyn = run("async", out, common, ["run.max_staleness=2", "rollout.weight_update=inflight"])
-    print(f"\n{'mode':<6} {'train phase s':>14} {'whole run s':>12} {'learner idle':>13} {'mean len':>9} "
-          f"{'truncated':>10} {'max stale':>10} {'dropped':>8}")
-    for name, r in (("sync", sync), ("async", asyn)):
-        print(f"{name:<6} {r['train_phase_s']:>14.1f} {r['wall_s']:>12.1f} {r['learner_idle']:>12.0%} "
-              f"{r['completion_len']:>9.1f} {r['truncated']:>10.1%} {r['staleness_max']:>10} {r['dropped']:>8}")
-    print(f"\nRATIO sync / async training-phase wall time: {sync['train_phase_s'] / asyn['train_phase_s']:.2f}x "
-          f"(goal >= 2x)")
-    print(f"RATIO sync / async whole-run wall time: {sync['wall_s'] / asyn['wall_s']:.2f}x")
-    print(f"learner idle fraction in async mode: {asyn['learner_idle']:.1%} (goal <= 5% when generation keeps up)")
+        results = {
+            "sync k=0": run("sync", out, common, ["run.max_staleness=0", "rollout.weight_update=between_requests"])
+        }
+        for k in args.async_k:
+            results[f"async k={k}"] = run(
+                f"async{k}", out, common, [f"run.max_staleness={k}", "rollout.weight_update=inflight"]
+            )
+    print(
+        f"\n{'mode':<10} {'train phase s':>14} {'whole run s':>12} {'learner idle':>13} {'mean len':>9} "
+        f"{'truncated':>10} {'max stale':>10} {'dropped':>8}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:<10} {r['train_phase_s']:>14.1f} {r['wall_s']:>12.1f} {r['learner_idle']:>12.0%} "
+            f"{r['completion_len']:>9.1f} {r['truncated']:>10.1%} {r['staleness_max']:>10} {r['dropped']:>8}"
+        )
+    sync = results["sync k=0"]
+    for name, r in list(results.items())[1:]:
+        print(
+            f"\nRATIO sync / {name} training-phase wall time: {sync['train_phase_s'] / r['train_phase_s']:.2f}x "
+            f"(goal >= 2x); whole run: {sync['wall_s'] / r['wall_s']:.2f}x; "
+            f"learner idle {r['learner_idle']:.1%} (goal <= 5% when generation keeps up)"
+        )
 
 
 if __name__ == "__main__":

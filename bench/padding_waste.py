@@ -41,9 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from learner.batch import TrainSequence, pad_sequences  # noqa: E402
 import torch  # noqa: E402
 
+from learner.batch import TrainSequence, pad_sequences  # noqa: E402
 from learner.packing import pack_sequences, plan_micro_batches  # noqa: E402
 
 PAD = 0
@@ -111,8 +111,13 @@ def main() -> None:
     # micro-batches of a fixed number of sequences, each padded to its longest.
     per_rank = len(seqs) // args.ranks
     in_order = [seqs[r * per_rank : (r + 1) * per_rank] for r in range(args.ranks)]
-    padded = padded_figures([share[i : i + args.micro_batch_size] for share in in_order
-                             for i in range(0, len(share), args.micro_batch_size)])
+    padded = padded_figures(
+        [
+            share[i : i + args.micro_batch_size]
+            for share in in_order
+            for i in range(0, len(share), args.micro_batch_size)
+        ]
+    )
     by_len = sorted(seqs, key=lambda s: len(s.prompt_token_ids) + len(s.completion_token_ids))
     sorted_micro = [by_len[i : i + args.micro_batch_size] for i in range(0, len(by_len), args.micro_batch_size)]
     padded_sorted = padded_figures(sorted_micro)
@@ -124,8 +129,14 @@ def main() -> None:
     packed_pairs = sum(r.input_ids.size(1) ** 2 for r in rows)
     dummies = sum(r.is_dummy for r in rows)
     # Tandem's CPU default (learner.pack_row_tokens empty): rows as long as the micro-batch's longest sequence
-    multi = [pack_sequences([seqs[i] for i in micro], PAD, mask_dtype=None if len(micro) < 2 else torch.bool,
-                            row_tokens=None) for rank in plan for micro in rank[0] if micro]
+    multi = [
+        pack_sequences(
+            [seqs[i] for i in micro], PAD, mask_dtype=None if len(micro) < 2 else torch.bool, row_tokens=None
+        )
+        for rank in plan
+        for micro in rank[0]
+        if micro
+    ]
     multi_slots = sum(r.input_ids.numel() for r in multi)
     budget_slots = sum(max(args.token_budget, r.input_ids.size(1)) for r in rows)  # an over-budget row is its own
     needed_pairs = sum(n * n for n in lengths)
@@ -152,8 +163,10 @@ def main() -> None:
         f"padded {1 - needed_pairs / padded[3]:.3f}, sorted {1 - needed_pairs / padded_sorted[3]:.3f}, "
         f"packed with a 4D mask {1 - needed_pairs / packed_pairs:.3f}, packed with varlen flash-attention 0.000"
     )
-    print(f"\nRATIO token slots packed / padded: {packed_slots / padded[1]:.3f} (one row per micro-batch), "
-          f"{multi_slots / padded[1]:.3f} (rows of the longest sequence)")
+    print(
+        f"\nRATIO token slots packed / padded: {packed_slots / padded[1]:.3f} (one row per micro-batch), "
+        f"{multi_slots / padded[1]:.3f} (rows of the longest sequence)"
+    )
     print(f"padding in rows of the longest sequence: {100 * (1 - packed_real / multi_slots):.2f}% of token slots")
     inside = 1 - packed_real / packed_slots
     print(f"GOAL packing padding inside rows <= 2%: {100 * inside:.2f}% {'PASS' if inside <= 0.02 else 'FAIL'}")

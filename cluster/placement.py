@@ -34,12 +34,15 @@ def generation_actor_options(
         # vLLM on CPU ignores Ray's CPU accounting and would pin every engine to core 0.
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
         env["VLLM_CPU_KVCACHE_SPACE"] = str(engine["kv_cache_gib"])
-    return _with_scheduling({
-        "num_cpus": actors["num_cpus"],
-        "num_gpus": actors["num_gpus"],
-        "resources": dict(actors.get("custom") or {}),
-        "runtime_env": {"env_vars": env},
-    }, scheduling)
+    return _with_scheduling(
+        {
+            "num_cpus": actors["num_cpus"],
+            "num_gpus": actors["num_gpus"],
+            "resources": dict(actors.get("custom") or {}),
+            "runtime_env": {"env_vars": env},
+        },
+        scheduling,
+    )
 
 
 def _with_scheduling(options: dict[str, Any], scheduling: Any) -> dict[str, Any]:
@@ -53,9 +56,15 @@ def learner_rank_options(learner: dict[str, Any], scheduling: Any = None) -> dic
     env = {"OMP_NUM_THREADS": str(max(1, int(learner["num_cpus"]))), "TOKENIZERS_PARALLELISM": "false"}
     if not learner["num_gpus"]:
         env["DS_ACCELERATOR"] = "cpu"
-    return _with_scheduling({"num_cpus": learner["num_cpus"], "num_gpus": learner["num_gpus"],
-                             "resources": dict(learner.get("custom") or {}), "runtime_env": {"env_vars": env}},
-                            scheduling)
+    return _with_scheduling(
+        {
+            "num_cpus": learner["num_cpus"],
+            "num_gpus": learner["num_gpus"],
+            "resources": dict(learner.get("custom") or {}),
+            "runtime_env": {"env_vars": env},
+        },
+        scheduling,
+    )
 
 
 def required_resources(resources: dict[str, Any]) -> dict[str, float]:
@@ -100,6 +109,7 @@ def local_ray_cpus(resources: dict[str, Any]) -> int:
 
 def plan_bundles(resources: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
     """``(process name, bundle)`` for every generation actor, then every learner rank."""
+
     def bundle(p: dict[str, Any]) -> dict[str, float]:
         b = {"CPU": float(p["num_cpus"]), **{k: float(v) for k, v in (p.get("custom") or {}).items()}}
         if p["num_gpus"]:
@@ -120,7 +130,8 @@ def describe_plan(resources: dict[str, Any], nodes: list[dict] | None = None) ->
     if nodes is not None:
         lines.append(f"cluster: {len(nodes)} node(s)")
         for n in nodes:
-            lines.append(f"  {n['NodeManagerAddress']:<15} {_fmt({k: v for k, v in n['Resources'].items() if not k.startswith(('node:', 'memory', 'object_store'))})}")
+            shown = {k: v for k, v in n["Resources"].items() if not k.startswith(("node:", "memory", "object_store"))}
+            lines.append(f"  {n['NodeManagerAddress']:<15} {_fmt(shown)}")
     return "\n".join(lines)
 
 
@@ -147,5 +158,6 @@ def reserve(resources: dict[str, Any]):
             "num_cpus/num_gpus/custom, or use resources.strategy=SPREAD. "
             f"Nodes: {'; '.join(_fmt(n['Resources']) for n in nodes)}"
         )
-    return [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            for i in range(len(named))]
+    return [
+        PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i) for i in range(len(named))
+    ]

@@ -7,7 +7,6 @@ Each factory hands a component only its own config section, and takes placement 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +66,15 @@ async def _await_ready(refs: list, names: list[str], log_paths: list[str], timeo
     results = []
     for ref, name, log in zip(refs, names, log_paths):
         try:
-            results.append(await asyncio.wait_for(_as_future(ref), timeout))
+            results.append(await asyncio.wait_for(asyncio.ensure_future(ref), timeout))
         except asyncio.TimeoutError:
-            raise StartupError(f"{name} did not start within {timeout:.0f}s (run.startup_timeout_s); see {log}") from None
+            raise StartupError(
+                f"{name} did not start within {timeout:.0f}s (run.startup_timeout_s); see {log}"
+            ) from None
         except Exception as exc:
             cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise StartupError(f"{name} failed to start: {cause}; full log: {log}") from None
     return results
-
-
-def _as_future(ref):
-    async def get():
-        return await ref
-
-    return get()
 
 
 async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: list) -> list:
@@ -129,7 +123,8 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, s
     names = [f"learner-{r}" for r in range(ranks)]
     logs = [run.log_path(n) for n in names]
     workers = [
-        ray.remote(LearnerWorker).options(**learner_rank_options(placement, scheduling[r] if scheduling else None))
+        ray.remote(LearnerWorker)
+        .options(**learner_rank_options(placement, scheduling[r] if scheduling else None))
         .remote(r, ranks, log)
         for r, log in zip(range(ranks), logs)
     ]
@@ -149,9 +144,3 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, s
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
     run.placement.update({f"learner-{info['rank']}": info["node"] for info in infos})
     return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.token_budget, cfg.rollout.max_tokens)
-
-
-def quiet_environment() -> None:
-    """Keep library banners out of the progress display (they still reach the log files)."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,13 +1,13 @@
 """The ``tandem`` command line.
 
-    tandem demo [key=value ...]                   the built-in demo: a real RL run on the CPU
-    tandem train --config FILE.yaml [key=value]   train with a config file and overrides
-    tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
-    tandem config-reference                       print every config key (Markdown)
-    tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
-    tandem submit --config F --address ADDR       run training as a Ray job on a running cluster
-    tandem slurm --config F --nodes N ...         print an sbatch script (Ray over the allocation, then train)
-    tandem k8s --config F --image IMG ...         print a KubeRay RayJob manifest
+tandem demo [key=value ...]                   the built-in demo: a real RL run on the CPU
+tandem train --config FILE.yaml [key=value]   train with a config file and overrides
+tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
+tandem config-reference                       print every config key (Markdown)
+tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
+tandem submit --config F --address ADDR       run training as a Ray job on a running cluster
+tandem slurm --config F --nodes N ...         print an sbatch script (Ray over the allocation, then train)
+tandem k8s --config F --image IMG ...         print a KubeRay RayJob manifest
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from launch.config import ConfigError, config_reference, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
+
 # Errors that are the user's to fix: printed as one line, no traceback.
 def _user_errors() -> tuple[type[BaseException], ...]:
     from actors.rewards import RewardSpecError
@@ -33,8 +34,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from launch.submit import LaunchError, SubmitError
     from queues.prompts import DatasetError
 
-    return (ConfigError, DatasetError, RewardSpecError, StartupError, PlacementError, DataTimeout, ActorFailed,
-            WeightsTimeout, LaunchError, SubmitError)
+    return (
+        ConfigError,
+        DatasetError,
+        RewardSpecError,
+        StartupError,
+        PlacementError,
+        DataTimeout,
+        ActorFailed,
+        WeightsTimeout,
+        LaunchError,
+        SubmitError,
+    )
 
 
 def reward_summary(metrics_path: Path) -> dict[str, float]:
@@ -85,19 +96,39 @@ def _render_launcher(args: argparse.Namespace) -> int:
         from launch.slurm import render_sbatch
 
         text = render_sbatch(
-            cfg, args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-            cpus_per_node=args.cpus_per_node, partition=args.partition, time_limit=args.time,
-            job_name=args.job_name, venv=args.venv, ray_port=args.ray_port, wait_s=args.wait,
+            cfg,
+            args.config,
+            args.overrides,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            cpus_per_node=args.cpus_per_node,
+            partition=args.partition,
+            time_limit=args.time,
+            job_name=args.job_name,
+            venv=args.venv,
+            ray_port=args.ray_port,
+            wait_s=args.wait,
         )
     else:
         from launch.k8s import render_rayjob
 
         env = dict(item.partition("=")[::2] for item in args.env)
         text = render_rayjob(
-            cfg, args.config, args.overrides, name=args.name, image=args.image, namespace=args.namespace,
-            worker_replicas=args.workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
-            memory_per_worker=args.memory_per_worker, head_cpus=args.head_cpus, head_memory=args.head_memory,
-            ttl_s=args.ttl, workdir=args.workdir, env=env or None,
+            cfg,
+            args.config,
+            args.overrides,
+            name=args.name,
+            image=args.image,
+            namespace=args.namespace,
+            worker_replicas=args.workers,
+            gpus_per_worker=args.gpus_per_worker,
+            cpus_per_worker=args.cpus_per_worker,
+            memory_per_worker=args.memory_per_worker,
+            head_cpus=args.head_cpus,
+            head_memory=args.head_memory,
+            ttl_s=args.ttl,
+            workdir=args.workdir,
+            env=env or None,
         )
     if args.out:
         Path(args.out).write_text(text)
@@ -199,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
             from launch.submit import submit
 
             load_config(args.config, args.overrides)  # config mistakes fail here, not on the cluster
-            status = submit(args.address, args.config, args.overrides, working_dir=args.working_dir,
-                            follow=not args.no_follow, timeout_s=args.timeout)
+            status = submit(
+                args.address,
+                args.config,
+                args.overrides,
+                working_dir=args.working_dir,
+                follow=not args.no_follow,
+                timeout_s=args.timeout,
+            )
             return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
         if args.command == "tiny-model":
             from actors.tiny_model import build_tiny_model

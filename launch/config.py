@@ -35,7 +35,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     prompts: str = Field(
-        description="JSONL file of {\"prompt\": ..., \"answer\": ...} rows (other fields are passed to the "
+        description='JSONL file of {"prompt": ..., "answer": ...} rows (other fields are passed to the '
         "reward function), or 'builtin:<task>' for a built-in task."
     )
     num_rows: int = Field(2048, gt=0, description="Rows to generate for a built-in task.")
@@ -86,7 +86,8 @@ class LearnerConfig(Section):
         4096, gt=0, description="Tokens per packed micro-batch (one forward/backward); a longer sequence gets its own."
     )
     pack_row_tokens: int | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
         "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
     )
@@ -99,9 +100,13 @@ class KLConfig(Section):
     placement: Literal["none", "reward", "loss"] = Field(
         "none", description="Where the KL to the reference model goes: per-token reward shaping, a loss term, or off."
     )
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l.")
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l."
+    )
     beta: float = Field(0.01, ge=0, description="KL coefficient (the starting value when adaptive).")
-    adaptive: bool = Field(False, description="Adapt beta towards kl.target: beta *= 1 + clip(KL/target - 1, +-0.2) n/H.")
+    adaptive: bool = Field(
+        False, description="Adapt beta towards kl.target: beta *= 1 + clip(KL/target - 1, +-0.2) n/H."
+    )
     target: float = Field(0.01, gt=0, description="Adaptive KL target per token.")
     horizon: int = Field(10000, gt=0, description="Adaptive KL horizon H, in samples.")
     reference_path: str | None = Field(None, description="Reference model (default: the initial policy, model.path).")
@@ -115,7 +120,9 @@ class CriticConfig(Section):
         None, description="Value model checkpoint (a reward model or a smaller model); default: model.path."
     )
     lr: float = Field(1e-3, gt=0, description="Critic AdamW learning rate.")
-    value_clip: float | None = Field(None, gt=0, description="Clip value updates to +-this around V_old (off if empty).")
+    value_clip: float | None = Field(
+        None, gt=0, description="Clip value updates to +-this around V_old (off if empty)."
+    )
 
 
 class SoftOverlongConfig(Section):
@@ -125,7 +132,8 @@ class SoftOverlongConfig(Section):
 
 class TISConfig(Section):
     mode: Literal["none", "truncate", "mask"] = Field(
-        "truncate", description="Sampler/learner correction: weight min(rho, cap), drop tokens outside [1/cap, cap], or none."
+        "truncate",
+        description="Sampler/learner correction: weight min(rho, cap), drop tokens outside [1/cap, cap], or none.",
     )
     level: Literal["token", "sequence"] = Field(
         "token", description="Ratio per token, or per sequence (geometric mean of its token ratios)."
@@ -139,7 +147,9 @@ class AlgorithmConfig(Section):
         None, description="token_mean, seq_mean or fixed_length (empty: the method's own; Dr. GRPO: fixed_length)."
     )
     clip_eps_low: float | None = Field(None, ge=0, description="Ratio clip below, 1 - eps_low (empty: method default).")
-    clip_eps_high: float | None = Field(None, ge=0, description="Ratio clip above, 1 + eps_high (empty: method default).")
+    clip_eps_high: float | None = Field(
+        None, ge=0, description="Ratio clip above, 1 + eps_high (empty: method default)."
+    )
     dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c for negative advantages (off if empty).")
     epochs: int = Field(1, gt=0, description="Passes over each batch.")
     minibatches: int = Field(1, gt=0, description="Optimizer steps per pass (the batch is split in this many).")
@@ -170,7 +180,8 @@ class ActorPlacement(Section):
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per generation actor.")
     num_gpus: float = Field(0, ge=0, description="Ray GPUs per generation actor (vLLM uses them).")
     custom: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources per actor, e.g. {rollout_node: 1}, to pin them to nodes."
+        default_factory=dict,
+        description="Custom Ray resources per actor, e.g. {rollout_node: 1}, to pin them to nodes.",
     )
 
 
@@ -221,7 +232,7 @@ class TandemConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
-    def _cross_field_rules(self) -> "TandemConfig":
+    def _cross_field_rules(self) -> TandemConfig:
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         minibatches = self.algorithm.minibatches
         if batch < minibatches:

@@ -45,7 +45,7 @@ class RunLog:
         self.placement: dict[str, str] = {}  # process name -> Ray node id
 
     @classmethod
-    def create(cls, output_dir: str, name: str, config: dict[str, Any], total_steps: int) -> "RunLog":
+    def create(cls, output_dir: str, name: str, config: dict[str, Any], total_steps: int) -> RunLog:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         root = Path(output_dir) / f"{name}-{stamp}"
         suffix = 1

@@ -28,8 +28,10 @@ from queues.prompts import PromptStream
 
 async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str) -> dict[str, Any]:
     start_ray(cfg.resources.model_dump())
-    run.say(f"run directory: {run.root}\nstarting {cfg.resources.actors.count} generation actor(s) and "
-            f"{cfg.resources.learner.ranks} learner rank(s) ...")
+    run.say(
+        f"run directory: {run.root}\nstarting {cfg.resources.actors.count} generation actor(s) and "
+        f"{cfg.resources.learner.ranks} learner rank(s) ..."
+    )
 
     P, k, steps = cfg.rollout.prompts_per_step, cfg.run.max_staleness, cfg.run.steps
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
@@ -43,11 +45,11 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
     )
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
     timeouts = {"data_s": cfg.run.data_timeout_s, "weights_s": cfg.run.weights_timeout_s}
-    actor_loops = {a.run.remote(prompt_queue, results_queue, channel, timeouts): f"actor-{i}"
-                   for i, a in enumerate(actors)}
+    actor_loops = {
+        a.run.remote(prompt_queue, results_queue, channel, timeouts): f"actor-{i}" for i, a in enumerate(actors)
+    }
     pace = Pace(prompts_per_step=P, max_staleness=k)
-    run.say(f"training {steps} steps: {P} prompts x {cfg.rollout.group_size} samples per step, "
-            f"max staleness {k}")
+    run.say(f"training {steps} steps: {P} prompts x {cfg.rollout.group_size} samples per step, max staleness {k}")
 
     async def rollout_loop() -> None:
         for prompt_id, row in enumerate(PromptStream(rows, cfg.run.seed, cfg.data.shuffle)):

@@ -18,7 +18,9 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_inputs) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_inputs
+    ) -> torch.Tensor:
         """``[b, L] -> [b, L]`` values of each position's state (``position_ids`` etc. pass through,
         so packed rows work)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **model_inputs).last_hidden_state

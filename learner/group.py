@@ -14,7 +14,6 @@ One training step over a batch of scored trajectory groups:
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any
 
 import torch
@@ -43,7 +42,9 @@ def build_train_sequences(groups: list[TrajectoryGroup]) -> list[TrainSequence]:
     ]
 
 
-def scored_batch(groups: list[TrajectoryGroup], sequences: list[TrainSequence], kl_estimator: str | None) -> ScoredBatch:
+def scored_batch(
+    groups: list[TrajectoryGroup], sequences: list[TrainSequence], kl_estimator: str | None
+) -> ScoredBatch:
     """Tensors for the advantage step from the groups and their scored sequences."""
     trajs = [t for g in groups for t in g.trajectories]
     T = max(len(t.completion_token_ids) for t in trajs)
@@ -153,8 +154,9 @@ class LearnerGroup:
             kl_mean = float((batch.kl * batch.mask).sum() / batch.mask.sum())
             metrics.update(kl_ref_mean=kl_mean, kl_beta=self.kl_beta)
             if algo["kl"]["adaptive"]:
-                self.kl_beta = adaptive_kl_beta(self.kl_beta, kl_mean, algo["kl"]["target"], len(sequences),
-                                                algo["kl"]["horizon"])
+                self.kl_beta = adaptive_kl_beta(
+                    self.kl_beta, kl_mean, algo["kl"]["target"], len(sequences), algo["kl"]["horizon"]
+                )
         return metrics
 
     async def export_weights(self):

@@ -92,11 +92,18 @@ def build_objective(algorithm: dict[str, Any]):
         old = batch.old_logprobs if batch.old_logprobs is not None else learner_logprobs.detach()
         policy_weights, metrics = weights, {}
         if tis["mode"] != "none":  # correct for the sampler's (stale) policy: w_t *= min(rho_t, C) or a 0/1 mask
-            is_weights, metrics = tis_weights(learner_logprobs.detach(), batch.sampler_logprobs, batch.completion_mask,
-                                              cap=tis["cap"], level=tis["level"], mode=tis["mode"])
+            is_weights, metrics = tis_weights(
+                learner_logprobs.detach(),
+                batch.sampler_logprobs,
+                batch.completion_mask,
+                cap=tis["cap"],
+                level=tis["level"],
+                mode=tis["mode"],
+            )
             policy_weights = weights * is_weights
-        loss, loss_metrics = policy_loss(learner_logprobs, old, batch.advantages, batch.completion_mask,
-                                         policy_weights, **clip)
+        loss, loss_metrics = policy_loss(
+            learner_logprobs, old, batch.advantages, batch.completion_mask, policy_weights, **clip
+        )
         metrics.update(loss_metrics)
         if kl_in_loss:
             kl_t = kl_estimator(learner_logprobs, batch.ref_logprobs, batch.completion_mask)  # [b, T]

@@ -199,8 +199,9 @@ def block_causal_mask(row_seq_lens: list[list[int]], dtype: torch.dtype, device:
     Lr = max(sum(lens) for lens in row_seq_lens)
     seq_of = torch.full((len(row_seq_lens), Lr), -1, dtype=torch.long, device=device)  # [R, Lr]
     for r, lens in enumerate(row_seq_lens):
-        seq_of[r, : sum(lens)] = torch.repeat_interleave(torch.arange(len(lens), device=device),
-                                                         torch.tensor(lens, device=device))
+        seq_of[r, : sum(lens)] = torch.repeat_interleave(
+            torch.arange(len(lens), device=device), torch.tensor(lens, device=device)
+        )
     pos = torch.arange(Lr, device=device)
     same = (seq_of[:, :, None] == seq_of[:, None, :]) & (seq_of[:, :, None] >= 0)  # [R, Lr, Lr]
     allowed = (same & (pos[None, None, :] <= pos[None, :, None])) | torch.eye(Lr, dtype=torch.bool, device=device)

@@ -96,8 +96,11 @@ def compute_advantages(
         advantages = (to_go - baseline) * mask  # A_t = G_t - b
     elif method in ("grpo", "dr_grpo", "rloo"):
         total = (token_rewards * mask).sum(-1)  # [N] sequence reward (KL-shaped when in reward)
-        fn = {"grpo": lambda r: grpo_advantages(r, G, eps), "dr_grpo": lambda r: dr_grpo_advantages(r, G),
-              "rloo": lambda r: rloo_advantages(r, G)}[method]
+        fn = {
+            "grpo": lambda r: grpo_advantages(r, G, eps),
+            "dr_grpo": lambda r: dr_grpo_advantages(r, G),
+            "rloo": lambda r: rloo_advantages(r, G),
+        }[method]
         advantages = broadcast_to_tokens(fn(total), mask)
     elif method == "grpo_process":
         advantages = grpo_process_advantages(batch.step_rewards, batch.step_end, mask, G, eps)

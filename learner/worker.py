@@ -91,7 +91,9 @@ class LearnerWorker:
         self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
         self.algorithm = algorithm
         self.method = get_method(algorithm["name"])
-        self.engine = self._engine(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), learner, dtype)
+        self.engine = self._engine(
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), learner, dtype
+        )
         self.critic = None
         if self.method.needs_critic:
             critic_cfg = algorithm["critic"]
@@ -107,10 +109,15 @@ class LearnerWorker:
         self.zero_stage = learner["zero_stage"]
         # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
         attention = getattr(self.engine.module.config, "_attn_implementation", "sdpa")
-        self.mask_dtype = torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        self.mask_dtype = (
+            torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        )
         self.row_tokens = learner["pack_row_tokens"]
-        print(f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
-              f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}", flush=True)
+        print(
+            f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
+            f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}",
+            flush=True,
+        )
         import ray
 
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
@@ -195,8 +202,14 @@ class LearnerWorker:
         values = packed_at_completion(self.critic(**batch.model_inputs()), batch).float()  # [n, T]
         weights = value_weights(batch, minibatch, self.algorithm)
         clip = self.algorithm["critic"]["value_clip"]
-        loss, metrics = value_loss(values, batch.returns, batch.completion_mask, weights,
-                                   old_values=batch.old_values if clip else None, clip=clip)
+        loss, metrics = value_loss(
+            values,
+            batch.returns,
+            batch.completion_mask,
+            weights,
+            old_values=batch.old_values if clip else None,
+            clip=clip,
+        )
         self.critic.backward(loss * self.world_size, scale_wrt_gas=False)
         return {"value_loss_share": float(loss.detach()), **{f"critic_{k}": v for k, v in metrics.items()}}
 

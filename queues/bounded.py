@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 from typing import Any
 
 
@@ -144,13 +143,3 @@ def build_queue(backend: str, name: str, maxsize: int) -> Any:
     if backend == "local":
         return LocalQueue(name, maxsize)
     raise ValueError(f"unknown queue backend {backend!r}; use 'ray' or 'local'")
-
-
-def wait_until(predicate, timeout: float, poll: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll)
-    return True

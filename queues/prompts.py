@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 class DatasetError(ValueError):
@@ -29,12 +30,17 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{p} line {lineno} is not valid JSON ({exc.msg}); fix or remove that line") from None
+                raise DatasetError(
+                    f"{p} line {lineno} is not valid JSON ({exc.msg}); fix or remove that line"
+                ) from None
             if not isinstance(row, dict):
-                raise DatasetError(f"{p} line {lineno} is a {type(row).__name__}, not an object like "
-                                   '{"prompt": ..., "answer": ...}')
+                raise DatasetError(
+                    f'{p} line {lineno} is a {type(row).__name__}, not an object like {{"prompt": ..., "answer": ...}}'
+                )
             if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                problem = "has no 'prompt' field" if "prompt" not in row else "has a 'prompt' that is not a non-empty string"
+                problem = (
+                    "has no 'prompt' field" if "prompt" not in row else "has a 'prompt' that is not a non-empty string"
+                )
                 raise DatasetError(f'{p} line {lineno} {problem}; every row needs {{"prompt": "...", "answer": ...}}')
             rows.append(row)
     if not rows:

@@ -21,8 +21,12 @@ def _config(tmp_path, **sections) -> str:
         prompts.write_text(json.dumps({"prompt": "1>", "answer": "1"}) + "\n")
     reward = tmp_path / "r.py"
     reward.write_text("def reward(prompt, completion, row):\n    return 1.0\n")
-    cfg = {"model": {"path": str(tmp_path / "model")}, "data": {"prompts": str(prompts)},
-           "reward": {"function": f"{reward}:reward"}, "run": {"output_dir": str(tmp_path / "runs")}}
+    cfg = {
+        "model": {"path": str(tmp_path / "model")},
+        "data": {"prompts": str(prompts)},
+        "reward": {"function": f"{reward}:reward"},
+        "run": {"output_dir": str(tmp_path / "runs")},
+    }
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value}
     path = tmp_path / "c.yaml"

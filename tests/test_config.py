@@ -20,8 +20,9 @@ def test_every_shipped_config_parses(path):
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, REQUIRED + ["learner.lr=3e-4", "run.steps=7", "resources.actors.count=2",
-                                        "learner.betas=[0.8, 0.95]"])
+    cfg = load_config(
+        None, REQUIRED + ["learner.lr=3e-4", "run.steps=7", "resources.actors.count=2", "learner.betas=[0.8, 0.95]"]
+    )
     assert cfg.learner.lr == 3e-4 and cfg.run.steps == 7 and cfg.resources.actors.count == 2
     assert cfg.learner.betas == (0.8, 0.95)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cluster.weights import LocalWeightChannel, WeightsTimeout
+from launch.config import load_config
 from launch.stepping import BatchCollector, Pace
 from learner.batch import completion_logprobs, pad_sequences
-from launch.config import load_config
 from learner.group import build_train_sequences, merge_rank_metrics, scored_batch, shard_sequences
 from learner.returns import RewardStats, compute_advantages, shape_sequence_rewards
 from queues.bounded import LocalQueue, QueueTimeout
@@ -60,8 +60,14 @@ def test_synchronous_pace_alternates():
 def test_collector_drops_too_stale_groups_and_counts_them():
     async def go():
         q = LocalQueue("results", maxsize=10)
-        q.put_many([make_group(0, [0.0, 1.0], version=0), make_group(1, [1.0, 1.0], version=2),
-                    make_group(2, [0.5, 0.0], version=1)], timeout=1)
+        q.put_many(
+            [
+                make_group(0, [0.0, 1.0], version=0),
+                make_group(1, [1.0, 1.0], version=2),
+                make_group(2, [0.5, 0.0], version=1),
+            ],
+            timeout=1,
+        )
         dropped = []
         collector = BatchCollector(q, {}, run=None, timeout=5, on_drop=lambda: dropped.append(1))
         batch = await collector.collect(2, step=2, max_staleness=1)
@@ -96,8 +102,10 @@ def test_shards_balance_tokens_with_equal_micro_batch_counts_and_global_normalis
     for mb in mbs:
         for micro in mb.micro_batches:
             assert len(micro) <= 1 or sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for x in micro) <= 12
-    rank_tokens = [sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for micro in mb.micro_batches
-                       for x in micro) for mb in mbs]
+    rank_tokens = [
+        sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for micro in mb.micro_batches for x in micro)
+        for mb in mbs
+    ]
     assert abs(rank_tokens[0] - rank_tokens[1]) <= 9  # within the longest sequence (3 + 6)
     assert all(mb.num_tokens == sum(len(x.completion_token_ids) for x in seqs) for mb in mbs)
     assert all(mb.num_sequences == 10 and mb.max_len == max(len(x.completion_token_ids) for x in seqs) for mb in mbs)
@@ -111,10 +119,12 @@ def test_shards_balance_tokens_with_equal_micro_batch_counts_and_global_normalis
 
 
 def test_merged_metrics_sum_loss_and_weight_by_tokens():
-    merged = merge_rank_metrics([
-        {"loss": 0.25, "tokens": 10, "seconds": 1.0, "ratio_mean": 1.0, "ratio_max": 1.5, "grad_norm": 2.0},
-        {"loss": 0.50, "tokens": 30, "seconds": 2.0, "ratio_mean": 2.0, "ratio_max": 1.2, "grad_norm": 2.0},
-    ])
+    merged = merge_rank_metrics(
+        [
+            {"loss": 0.25, "tokens": 10, "seconds": 1.0, "ratio_mean": 1.0, "ratio_max": 1.5, "grad_norm": 2.0},
+            {"loss": 0.50, "tokens": 30, "seconds": 2.0, "ratio_mean": 2.0, "ratio_max": 1.2, "grad_norm": 2.0},
+        ]
+    )
     assert merged["loss"] == 0.75 and merged["tokens"] == 40 and merged["learner_seconds"] == 2.0
     assert merged["ratio_mean"] == pytest.approx((1.0 * 10 + 2.0 * 30) / 40)  # = 1.75
     assert merged["ratio_max"] == 1.5 and merged["grad_norm"] == 2.0
@@ -128,8 +138,9 @@ def test_padded_logprobs_equal_each_sequence_alone(tiny_model_dir):
     seqs = [make_sequence(rng, rng.randint(1, 6), rng.randint(1, 7)) for _ in range(5)]
     batch = pad_sequences(seqs, pad_id=0)
     with torch.no_grad():
-        padded = completion_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
-                                     batch)
+        padded = completion_logprobs(
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch
+        )
         for i, s in enumerate(seqs):
             ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids])
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)

@@ -40,13 +40,23 @@ def test_two_zero2_ranks_match_one_rank(ray_session, tiny_model_dir, tmp_path):
         [make_group(p, [rng.random() for _ in range(4)], completion_len=rng.randint(2, 9), seed=s) for p in range(4)]
         for s in range(2)
     ]
-    base = ["model.path=x", "data.prompts=x", "reward.function=x", "rollout.prompts_per_step=4",
-            "rollout.group_size=4", "learner.token_budget=24", "learner.zero_stage=2", "learner.lr=0.01"]
+    base = [
+        "model.path=x",
+        "data.prompts=x",
+        "reward.function=x",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "learner.token_budget=24",
+        "learner.zero_stage=2",
+        "learner.lr=0.01",
+    ]
     run = RunLog.create(str(tmp_path), "dp", {}, 2)
-    one, w1 = _train_two_steps(ray, load_config(None, base + ["resources.learner.ranks=1"]), tiny_model_dir, run,
-                               batches)
-    two, w2 = _train_two_steps(ray, load_config(None, base + ["resources.learner.ranks=2"]), tiny_model_dir, run,
-                               batches)
+    one, w1 = _train_two_steps(
+        ray, load_config(None, base + ["resources.learner.ranks=1"]), tiny_model_dir, run, batches
+    )
+    two, w2 = _train_two_steps(
+        ray, load_config(None, base + ["resources.learner.ranks=2"]), tiny_model_dir, run, batches
+    )
     for m1, m2 in zip(one, two):
         assert m1["tokens"] == m2["tokens"]
         assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)

@@ -34,9 +34,11 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
 
     engine = EngineConfig().model_dump()
     rollout = RolloutConfig(group_size=2, max_tokens=400, min_tokens=400, weight_update="inflight").model_dump()
-    actor = ray.remote(AsyncGenerationActor).options(
-        **generation_actor_options({"num_cpus": 1, "num_gpus": 0}, 0, engine)
-    ).remote("actor-0", tiny_model_dir, engine, rollout, "builtin:successor", "float32", 0, str(tmp_path / "a.log"))
+    actor = (
+        ray.remote(AsyncGenerationActor)
+        .options(**generation_actor_options({"num_cpus": 1, "num_gpus": 0}, 0, engine))
+        .remote("actor-0", tiny_model_dir, engine, rollout, "builtin:successor", "float32", 0, str(tmp_path / "a.log"))
+    )
     ray.get(actor.ready.remote())
 
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

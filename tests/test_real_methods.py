@@ -21,8 +21,17 @@ STEPS = 60
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_method_config_learns(config, tiny_model_dir, tmp_path, capsys):
-    code = main(["train", "--config", str(config), f"model.path={tiny_model_dir}", "model.build_tiny=false",
-                 f"run.steps={STEPS}", f"run.output_dir={tmp_path}"])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(config),
+            f"model.path={tiny_model_dir}",
+            "model.build_tiny=false",
+            f"run.steps={STEPS}",
+            f"run.output_dir={tmp_path}",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     run_dir = next(tmp_path.iterdir())
@@ -30,8 +39,9 @@ def test_method_config_learns(config, tiny_model_dir, tmp_path, capsys):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == STEPS
     # First vs last 10% of the steps (6 each): from ~0.01 for the random model.
-    assert summary["reward_gain"] > 0.15, f"{config.stem}: {summary['reward_first_10pct']:.3f} -> " \
-                                          f"{summary['reward_last_10pct']:.3f}"
+    assert summary["reward_gain"] > 0.15, (
+        f"{config.stem}: {summary['reward_first_10pct']:.3f} -> {summary['reward_last_10pct']:.3f}"
+    )
     last = metrics[-1]
     assert "learner/entropy" in last and "learner/ratio_mean" in last
     if config.stem == "ppo":  # the critic trained and the KL to the reference was measured

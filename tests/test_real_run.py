@@ -33,11 +33,20 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
         "    return task_reward(prompt, completion, row)\n"
     )
     steps = 60
-    code = main([
-        "train", "--config", str(DEMO), f"model.path={tiny_model_dir}", "model.build_tiny=false",
-        f"reward.function={flaky}:reward", f"run.steps={steps}", f"run.output_dir={tmp_path / 'runs'}",
-        f"run.max_staleness={k}", f"rollout.weight_update={weight_update}",
-    ])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            f"model.path={tiny_model_dir}",
+            "model.build_tiny=false",
+            f"reward.function={flaky}:reward",
+            f"run.steps={steps}",
+            f"run.output_dir={tmp_path / 'runs'}",
+            f"run.max_staleness={k}",
+            f"rollout.weight_update={weight_update}",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     run_dir = next((tmp_path / "runs").iterdir())

@@ -20,8 +20,22 @@ DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 def _run(tmp_path, name, tiny_model_dir, capsys, *extra):
     out = tmp_path / name
-    assert main(["train", "--config", str(DEMO), f"model.path={tiny_model_dir}", "model.build_tiny=false",
-                 "run.steps=12", "run.max_staleness=0", f"run.output_dir={out}", *extra]) == 0, capsys.readouterr()
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(DEMO),
+                f"model.path={tiny_model_dir}",
+                "model.build_tiny=false",
+                "run.steps=12",
+                "run.max_staleness=0",
+                f"run.output_dir={out}",
+                *extra,
+            ]
+        )
+        == 0
+    ), capsys.readouterr()
     return [json.loads(line) for line in next(out.iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.placement import generation_actor_options, learner_rank_options
 from cluster.weights import build_weight_channel
-from launch.config import EngineConfig, LearnerConfig, RolloutConfig, AlgorithmConfig
+from launch.config import AlgorithmConfig, EngineConfig, LearnerConfig, RolloutConfig
 from learner.group import LearnerGroup, shard_sequences
 from tests.fakes import make_sequence
 
@@ -29,15 +29,25 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path):
     actor = (
         ray.remote(GenerationActor)
         .options(**generation_actor_options({"num_cpus": 1, "num_gpus": 0}, 0, engine))
-        .remote("actor-0", tiny_model_dir, engine, RolloutConfig().model_dump(), "builtin:echo", "float32", 0,
-                str(tmp_path / "actor.log"))
+        .remote(
+            "actor-0",
+            tiny_model_dir,
+            engine,
+            RolloutConfig().model_dump(),
+            "builtin:echo",
+            "float32",
+            0,
+            str(tmp_path / "actor.log"),
+        )
     )
     learner_cfg = LearnerConfig(lr=0.05).model_dump()  # a big step, so the weights visibly change
-    worker = ray.remote(LearnerWorker).options(**learner_rank_options({"num_cpus": 1, "num_gpus": 0})).remote(
-        0, 1, str(tmp_path / "learner.log"))
+    worker = (
+        ray.remote(LearnerWorker)
+        .options(**learner_rank_options({"num_cpus": 1, "num_gpus": 0}))
+        .remote(0, 1, str(tmp_path / "learner.log"))
+    )
     addr, port = ray.get(worker.rendezvous_address.remote())
-    ray.get(worker.setup.remote(addr, port, tiny_model_dir, learner_cfg, AlgorithmConfig().model_dump(),
-                                "float32", 0))
+    ray.get(worker.setup.remote(addr, port, tiny_model_dir, learner_cfg, AlgorithmConfig().model_dump(), "float32", 0))
     ray.get(actor.ready.remote())
 
     rng = random.Random(0)

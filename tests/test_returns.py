@@ -45,10 +45,12 @@ def test_soft_overlong_ramps_over_the_last_tokens():
 def test_reward_whitening_variants_and_running_normalisation():
     b = batch([1.0, 3.0], [1, 1])  # mean 2, population std 1
     assert shape_sequence_rewards(b, algo("algorithm.whiten_rewards=whiten"), 4, RewardStats()).tolist() == (
-        pytest.approx([-1.0, 1.0], abs=1e-6))
+        pytest.approx([-1.0, 1.0], abs=1e-6)
+    )
     # keep_mean: (r - 2)/1 + 2 -> 1, 3
     assert shape_sequence_rewards(b, algo("algorithm.whiten_rewards=whiten_keep_mean"), 4, RewardStats()).tolist() == (
-        pytest.approx([1.0, 3.0], abs=1e-6))
+        pytest.approx([1.0, 3.0], abs=1e-6)
+    )
     stats = RewardStats()
     shape_sequence_rewards(b, algo("algorithm.normalise_rewards=true"), 4, stats)
     b2 = batch([5.0, 7.0], [1, 1])

@@ -36,8 +36,9 @@ async def simulate(k: int, seed: int, steps: int = 12, P: int = 4, actors: int =
             for _ in range(rng.choice([1, 2, 3, 20])):  # long tail: some generations are long
                 versions.append(published["version"] if inflight or not versions else versions[0])
                 await asyncio.sleep(rng.uniform(0, 0.002))
-            traj = Trajectory([1], [2] * len(versions), [1] * len(versions), [-1.0] * len(versions), versions,
-                              1.0, "stop", "x")
+            traj = Trajectory(
+                [1], [2] * len(versions), [1] * len(versions), [-1.0] * len(versions), versions, 1.0, "stop", "x"
+            )
             await results.put_many_async([TrajectoryGroup(req.prompt_id, {}, [traj], f"a{i}")], timeout=5)
 
     async def rollout():

@@ -20,7 +20,6 @@ from actors.tasks import (
     write_jsonl,
 )
 
-
 # --- match_reward ------------------------------------------------------------------
 
 
