@@ -25,9 +25,11 @@ bucket is sent alone, straight from its own memory. Round trips are bit-exact.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -38,7 +40,7 @@ from cluster.weights import NamedTensors, WeightsTimeout
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket (any dtype can view it)
 DEFAULT_BUCKET_BYTES = 64 << 20
-_POLL_S = 0.002  # how often a waiting side looks for a store key
+_POLL_S = 0.005  # how often an idle receiver looks for the next push (a store round trip)
 
 
 class WeightPushError(RuntimeError):
@@ -94,8 +96,16 @@ class DistChannelSpec:
 
     def receiver(self, rank: int, name: str) -> DistReceiver:
         """Join now (in a background thread) as ``rank`` (1..world_size-1)."""
-        return DistReceiver(self.host, self.port, rank, self.world_size, name, self.timeout_s,
-                            connect_timeout_s=self.connect_timeout_s, backend=self.backend)
+        return DistReceiver(
+            self.host,
+            self.port,
+            rank,
+            self.world_size,
+            name,
+            self.timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            backend=self.backend,
+        )
 
     def handle(self, rank: int, name: str) -> DistReceiverHandle:
         """A picklable stand-in for the receiver that joins on first use inside the actor."""
@@ -121,22 +131,37 @@ def plan_buckets(named: NamedTensors, bucket_bytes: int) -> tuple[list[int], lis
         if not sizes or (sizes[-1] > 0 and offset + nbytes > bucket_bytes):
             sizes.append(0)
             offset = 0
-        slots.append(TensorSlot(name, str(t.dtype).removeprefix("torch."), list(t.shape), len(sizes) - 1, offset,
-                                nbytes))
+        slots.append(
+            TensorSlot(name, str(t.dtype).removeprefix("torch."), list(t.shape), len(sizes) - 1, offset, nbytes)
+        )
         sizes[-1] = offset + nbytes
     return sizes, slots
 
 
-def pack_bucket(named: NamedTensors, header: PushHeader, bucket: int, device: str = "cpu") -> torch.Tensor:
-    """The bytes of one bucket (uint8). A bucket holding one contiguous tensor is that tensor's own
-    memory, not a copy."""
-    inside = [(slot, t) for slot, (_, t) in zip(header.slots, named, strict=True) if slot.bucket == bucket]
-    if len(inside) == 1 and inside[0][1].is_contiguous() and inside[0][1].device.type == device:
-        return inside[0][1].reshape(-1).view(torch.uint8)
-    flat = torch.empty(header.bucket_bytes[bucket], dtype=torch.uint8, device=device)
-    for slot, t in inside:
+def pack_bucket(
+    named: NamedTensors, header: PushHeader, bucket: int, device: str = "cpu", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The bytes of one bucket (uint8), packed into ``out`` when it fits. A bucket holding one
+    contiguous tensor is that tensor's own memory, not a copy."""
+    lone = _lone_tensor(named, header, bucket, device)
+    if lone is not None:
+        return lone
+    size = header.bucket_bytes[bucket]
+    reuse = out is not None and out.numel() == size and out.device.type == device
+    flat = out if reuse else torch.empty(size, dtype=torch.uint8, device=device)
+    for slot, (_, t) in zip(header.slots, named, strict=True):
+        if slot.bucket != bucket:
+            continue
         flat[slot.offset : slot.offset + slot.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return flat
+
+
+def _lone_tensor(named: NamedTensors, header: PushHeader, bucket: int, device: str) -> torch.Tensor | None:
+    """The bytes of the bucket's only tensor, when it can be sent from where it lies."""
+    inside = [t for slot, (_, t) in zip(header.slots, named, strict=True) if slot.bucket == bucket]
+    if len(inside) == 1 and inside[0].is_contiguous() and inside[0].device.type == device:
+        return inside[0].reshape(-1).view(torch.uint8)
+    return None
 
 
 def unpack(header: PushHeader, buckets: list[torch.Tensor]) -> NamedTensors:
@@ -148,11 +173,28 @@ def unpack(header: PushHeader, buckets: list[torch.Tensor]) -> NamedTensors:
 
 
 # --- the group -----------------------------------------------------------------------------
-def _build_group(backend: str, store, rank: int, world_size: int, timeout_s: float):
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _build_group(backend: str, store, rank: int, world_size: int, timeout_s: float, publisher_host: str):
     """A process group of its own over ``store`` (not the default group DeepSpeed uses)."""
     prefixed = dist.PrefixStore("group", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
+        # Bind gloo to the interface that reaches the publisher (GLOO_SOCKET_IFNAME overrides), not
+        # to whatever this host's name resolves to, which may be a loopback address on another node.
+        interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(interface=interface)
+            if interface
+            else dist.ProcessGroupGloo.create_device(hostname=_address_towards(publisher_host))
+        ]
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     if backend == "nccl":
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise RuntimeError("weights backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
@@ -227,13 +269,15 @@ class DistPublisher:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.bucket_bytes, self.backend, self.heartbeat_s = bucket_bytes, backend, heartbeat_s
         self.world_size = world_size
-        self._store = dist.TCPStore(host, port, None, True, timedelta(seconds=connect_timeout_s),
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            host, port, None, True, timedelta(seconds=connect_timeout_s), wait_for_workers=False
+        )
         self.host, self.port = host, self._store.port
         self._names = {r: f"rank {r}" for r in range(1, world_size)}  # rank -> receiver name, once joined
         self._group = None
         self._error: str | None = None  # why the channel is unusable
         self._seq, self._version, self._closed = 0, 0, False
+        self._pack_buffers: dict[int, torch.Tensor] = {}  # bucket index -> its pack buffer, kept between pushes
         self._stop = threading.Event()
         self._connecting = threading.Thread(target=self._connect, name="weight-publisher-connect", daemon=True)
         self._connect_deadline = time.monotonic() + connect_timeout_s
@@ -241,8 +285,9 @@ class DistPublisher:
 
     @property
     def spec(self) -> DistChannelSpec:
-        return DistChannelSpec(self.host, self.port, self.world_size, self.timeout_s, self.connect_timeout_s,
-                               self.backend)
+        return DistChannelSpec(
+            self.host, self.port, self.world_size, self.timeout_s, self.connect_timeout_s, self.backend
+        )
 
     def _connect(self) -> None:
         ranks = range(1, self.world_size)
@@ -261,7 +306,7 @@ class DistPublisher:
             return
         try:
             left = max(1.0, self._connect_deadline - time.monotonic())
-            self._group = _build_group(self.backend, self._store, 0, self.world_size, left)
+            self._group = _build_group(self.backend, self._store, 0, self.world_size, left, self.host)
         except Exception as exc:
             self._error = f"weight channel at {self.host}:{self.port}: forming the group failed: {_short(exc)}"
 
@@ -296,25 +341,25 @@ class DistPublisher:
         seq = self._seq
         try:
             self._store.set(f"push/{seq}", header.to_json())
-            device = _device(self.backend)
-            # A generator: bucket b+1 is packed while bucket b is on the wire.
-            buckets = (pack_bucket(weights, header, b, device) for b in range(len(sizes)))
-            _broadcast_all(self._group, buckets, deadline)
-            if not self._wait_acks(seq, deadline):
-                raise TimeoutError("not every receiver acknowledged before the deadline")
+            _broadcast_all(self._group, self._pack(weights, header), deadline)
+            self._store.wait([f"push/{seq}/ack/{r}" for r in range(1, self.world_size)], _left(deadline))
         except Exception as exc:
             self._fail(version, seq, _short(exc), time.monotonic() - start)
         for key in [f"push/{seq}"] + [f"push/{seq}/ack/{r}" for r in range(1, self.world_size)]:
             self._store.delete_key(key)
         self._version = version
 
-    def _wait_acks(self, seq: int, deadline: float) -> bool:
-        keys = [f"push/{seq}/ack/{r}" for r in range(1, self.world_size)]
-        while not self._store.check(keys):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
+    def _pack(self, weights: NamedTensors, header: PushHeader) -> Iterator[torch.Tensor]:
+        """Buckets one at a time (bucket b+1 is packed while bucket b is on the wire), into the
+        previous push's pack buffers: fresh ones would page-fault on every push."""
+        device = _device(self.backend)
+        for b in range(len(header.bucket_bytes)):
+            lone = _lone_tensor(weights, header, b, device)
+            if lone is not None:
+                yield lone
+                continue
+            self._pack_buffers[b] = pack_bucket(weights, header, b, device, out=self._pack_buffers.get(b))
+            yield self._pack_buffers[b]
 
     def _beats(self) -> dict[int, int]:
         return {r: self._store.add(f"hb/{r}", 0) for r in range(1, self.world_size)}
@@ -331,12 +376,16 @@ class DistPublisher:
         beating = [r for r in missing if r not in silent]
         parts = [f"weight push v{version} failed after {elapsed:.1f}s (deadline {self.timeout_s:.0f}s):"]
         for r in silent:
-            parts.append(f"receiver {self._names[r]} (rank {r}) did not acknowledge within {self.timeout_s:.0f}s "
-                         f"and sent no heartbeat for {window:.1f}s (dead or stalled); check its log.")
+            parts.append(
+                f"receiver {self._names[r]} (rank {r}) did not acknowledge within {self.timeout_s:.0f}s "
+                f"and sent no heartbeat for {window:.1f}s (dead or stalled); check its log."
+            )
         if beating:
             who = ", ".join(f"{self._names[r]} (rank {r})" for r in beating)
-            parts.append(f"Alive but not acknowledged: {who}" + (
-                " (held up by the failed receiver)." if silent else "; too slow? raise the push timeout."))
+            parts.append(
+                f"Alive but not acknowledged: {who}"
+                + (" (held up by the failed receiver)." if silent else "; too slow? raise the push timeout.")
+            )
         parts.append(f"Cause: {cause}")
         self._error = " ".join(parts)
         if self._group is not None:
@@ -344,8 +393,8 @@ class DistPublisher:
         raise WeightPushError(self._error, [self._names[r] for r in (silent or beating)])
 
     def close(self, timeout: float = 2.0) -> None:
-        """Tell receivers there will be no more pushes (they report ``is_closed()``); waits up to
-        ``timeout`` for them to notice, then drops the group. The store stays up while this object lives."""
+        """Tell receivers there will be no more pushes (they report ``is_closed()``) and wait up to
+        ``timeout`` for them to notice. The store stays up while this object lives."""
         if self._closed:
             return
         self._closed = True
@@ -366,7 +415,9 @@ class DistReceiver:
     background thread, keeping the newest (version, weights) for ``fetch``.
 
     ``fetch`` never touches the network, so it always returns or raises within its timeout; if
-    the publisher dies or a push fails, it raises ``WeightsTimeout`` with the reason.
+    the publisher dies or a push fails, it raises ``WeightsTimeout`` with the reason. The tensors
+    it returns are views into this push's receive buffers, never written again. Memory: the
+    newest weights plus (CPU) a pre-faulted spare set for the next push, about 2x the model.
     """
 
     def __init__(
@@ -388,6 +439,7 @@ class DistReceiver:
         self.timeout_s, self.connect_timeout_s, self.backend = timeout_s, connect_timeout_s, backend
         self.heartbeat_s = heartbeat_s
         self._version, self._weights = 0, None
+        self._spare: list[torch.Tensor] | None = None  # pre-faulted buffers for the next push (CPU)
         self._closed = False  # the publisher closed the channel
         self._error: str | None = None  # why no more pushes will arrive
         self._connected = threading.Event()
@@ -409,8 +461,11 @@ class DistReceiver:
             self._changed.wait_for(lambda: self._version >= min_version or self._closed or self._error, timeout)
             if self._version >= min_version:
                 return self._version, self._weights
-            why = self._error or ("the publisher closed the channel" if self._closed else
-                                  "is the learner alive? (raise run.weights_timeout_s for very slow steps)")
+            why = self._error or (
+                "the publisher closed the channel"
+                if self._closed
+                else "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
+            )
             raise WeightsTimeout(
                 f"{self.name}: waited up to {timeout:.0f}s for policy version {min_version}, newest received is "
                 f"{self._version} (publisher {self.host}:{self.port}); {why}"
@@ -431,13 +486,14 @@ class DistReceiver:
         try:
             store = dist.TCPStore(self.host, self.port, None, False, timedelta(seconds=self.connect_timeout_s))
         except Exception as exc:
-            return self._set_error(f"could not reach the weight {where} within {self.connect_timeout_s:.0f}s: "
-                                   f"{_short(exc)}")
+            return self._set_error(
+                f"could not reach the weight {where} within {self.connect_timeout_s:.0f}s: {_short(exc)}"
+            )
         group, phase = None, f"joining the weight channel at {where}"
         try:
             threading.Thread(target=self._beat, name=f"weight-heartbeat-{self.name}", daemon=True).start()
             store.set(f"join/{self.rank}", self.name)
-            group = _build_group(self.backend, store, self.rank, self.world_size, self.connect_timeout_s)
+            group = _build_group(self.backend, store, self.rank, self.world_size, self.connect_timeout_s, self.host)
             self._connected.set()
             seq = 1
             while not self._stop.is_set():
@@ -448,13 +504,15 @@ class DistReceiver:
                 header = PushHeader.from_json(store.get(f"push/{seq}"))
                 if header.closed:
                     store.set(f"bye/{self.rank}", "1")
+                    # Tear the group down in this thread before is_closed() lets the process exit:
+                    # its threads destroyed mid-teardown at exit abort the process.
+                    group = None
                     with self._changed:
                         self._closed = True
                         self._changed.notify_all()
                     return
                 phase = f"receiving weight push v{header.version} from the {where}"
-                device = _device(self.backend)
-                buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in header.bucket_bytes]
+                buffers = self._buffers(header.bucket_bytes)
                 _broadcast_all(group, buffers, time.monotonic() + self.timeout_s)
                 weights = unpack(header, buffers)
                 store.set(f"push/{seq}/ack/{self.rank}", "1")
@@ -462,11 +520,21 @@ class DistReceiver:
                     self._version, self._weights = header.version, weights
                     self._changed.notify_all()
                 seq += 1
+                if self.backend == "gloo":
+                    # Fresh CPU memory page-faults while the bytes arrive (measured: half the push
+                    # rate at 64 MiB buckets); fault the next push's buffers in now, while idle.
+                    self._spare = [torch.empty(n, dtype=torch.uint8).fill_(0) for n in header.bucket_bytes]
         except Exception as exc:
             if group is not None:
                 _abort(group)
-            self._set_error(f"failed while {phase}: {_short(exc)} (the publisher or another receiver died or "
-                            "stalled; see the learner's log)")
+            self._set_error(f"failed while {phase}: {_short(exc)}; see the learner's log")
+
+    def _buffers(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Receive buffers: the spare set when the layout repeats (never memory handed out to ``fetch``)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and [b.numel() for b in spare] == sizes:
+            return spare
+        return [torch.empty(n, dtype=torch.uint8, device=_device(self.backend)) for n in sizes]
 
     def _beat(self) -> None:
         """Heartbeats from their own thread and store connection: they continue while a push is received."""
@@ -491,14 +559,16 @@ class DistReceiverHandle:
     def __init__(self, spec: DistChannelSpec, rank: int, name: str):
         self.spec, self.rank, self.name = spec, rank, name
         self._receiver: DistReceiver | None = None
+        self._opening = threading.Lock()  # one receiver per handle, even if two threads call at once
 
     def __reduce__(self):
         return DistReceiverHandle, (self.spec, self.rank, self.name)
 
     def _open(self) -> DistReceiver:
-        if self._receiver is None:
-            self._receiver = self.spec.receiver(self.rank, self.name)
-        return self._receiver
+        with self._opening:
+            if self._receiver is None:
+                self._receiver = self.spec.receiver(self.rank, self.name)
+            return self._receiver
 
     def latest_version(self) -> int:
         return self._open().latest_version()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 
@@ -56,8 +57,9 @@ def make_weights(version: int) -> list:
 def same_bits(got: list, want: list) -> bool:
     """Names, dtypes, shapes and every byte equal (NaN == NaN, -0.0 != 0.0)."""
     return [n for n, _ in got] == [n for n, _ in want] and all(
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                 b.reshape(-1).view(torch.uint8))
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
         for (_, a), (_, b) in zip(got, want, strict=True)
     )
 
@@ -113,8 +115,15 @@ def _checking_receiver(port: int, rank: int, name: str, results) -> None:
         deadline = time.monotonic() + 20
         while not rx.is_closed() and time.monotonic() < deadline:
             time.sleep(0.01)
-        results.put({"name": name, "version": version, "exact": same_bits(named, make_weights(3)),
-                     "late_s": late, "closed": rx.is_closed()})
+        results.put(
+            {
+                "name": name,
+                "version": version,
+                "exact": same_bits(named, make_weights(3)),
+                "late_s": late,
+                "closed": rx.is_closed(),
+            }
+        )
     except Exception as exc:
         results.put({"name": name, "error": repr(exc)})
 
@@ -130,7 +139,7 @@ def _publisher_then_idle(results) -> None:
     """Publish v1 to one receiver, then wait to be killed."""
     torch.set_num_threads(1)
     pub = DistPublisher(HOST, 0, 2, timeout_s=20, connect_timeout_s=60, bucket_bytes=SMALL_BUCKET)
-    results.put(pub.port)
+    results.put(pub.spec)  # what learner rank 0 hands the driver
     pub.publish(1, make_weights(1))
     time.sleep(60)
 
@@ -145,8 +154,9 @@ def _stop_all(procs: list) -> None:
 def test_three_versions_reach_two_receivers_bit_exact():
     pub = DistPublisher(HOST, 0, 3, timeout_s=20, connect_timeout_s=60, bucket_bytes=SMALL_BUCKET)
     results = PROCS.Queue()
-    procs = [PROCS.Process(target=_checking_receiver, args=(pub.port, r, f"actor-{r}", results), daemon=True)
-             for r in (1, 2)]
+    procs = [
+        PROCS.Process(target=_checking_receiver, args=(pub.port, r, f"actor-{r}", results), daemon=True) for r in (1, 2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -201,8 +211,8 @@ def test_fetch_raises_within_its_deadline_when_the_publisher_dies():
     publisher.start()
     rx = None
     try:
-        port = results.get(timeout=60)
-        rx = DistReceiver(HOST, port, 1, 2, "actor-1", timeout_s=20, connect_timeout_s=60)
+        spec = results.get(timeout=60)
+        rx = pickle.loads(pickle.dumps(spec.handle(1, "actor-1")))  # as the driver passes it to an actor
         version, named = rx.fetch(1, timeout=60)
         assert version == 1 and same_bits(named, make_weights(1))
         publisher.kill()
@@ -218,4 +228,3 @@ def test_fetch_raises_within_its_deadline_when_the_publisher_dies():
         if rx is not None:
             rx.close()
         _stop_all([publisher])
-
