@@ -111,6 +111,36 @@ async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLo
     return actors
 
 
+class WeightPath:
+    """How new weights travel from the learner to the actors, behind one small interface:
+    ``channels[i]`` is what actor i pulls from; ``publish(version)`` sends; ``close()`` ends."""
+
+    def __init__(self, backend: str, learner, channels: list, store=None):
+        self.backend, self.learner, self.channels, self.store = backend, learner, channels, store
+
+    async def publish(self, version: int) -> None:
+        if self.backend == "distributed":
+            await self.learner.publish_weights(version)
+        else:
+            self.store.publish(version, await self.learner.export_weights())
+
+    async def close(self) -> None:
+        if self.backend == "distributed":
+            await self.learner.close_weight_channel()
+        else:
+            self.store.close()
+
+
+async def build_weight_path(cfg: TandemConfig, learner, n_actors: int) -> WeightPath:
+    from cluster.weights import build_weight_channel
+
+    if cfg.weights.backend == "distributed":
+        spec = await learner.open_weight_channel(n_actors, cfg.weights.model_dump(), cfg.run.startup_timeout_s)
+        return WeightPath("distributed", learner, [spec.handle(i + 1, f"actor-{i}") for i in range(n_actors)])
+    store = build_weight_channel("ray")
+    return WeightPath("ray", learner, [store] * n_actors, store)
+
+
 async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: list | None = None):
     """``scheduling``: one placement-group bundle strategy per rank (None: plain resource requests)."""
     import ray

@@ -27,6 +27,7 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 # Errors that are the user's to fix: printed as one line, no traceback.
 def _user_errors() -> tuple[type[BaseException], ...]:
     from actors.rewards import RewardSpecError
+    from cluster.dist_channel import WeightPushError
     from cluster.placement import PlacementError
     from cluster.weights import WeightsTimeout
     from launch.build import StartupError
@@ -43,6 +44,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         DataTimeout,
         ActorFailed,
         WeightsTimeout,
+        WeightPushError,
         LaunchError,
         SubmitError,
     )

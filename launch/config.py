@@ -175,6 +175,17 @@ class AlgorithmConfig(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
 
+class WeightsConfig(Section):
+    backend: Literal["ray", "distributed"] = Field(
+        "ray",
+        description="How weights reach the actors: Ray's object store, or a torch.distributed broadcast from "
+        "learner rank 0 (gloo on CPU, NCCL on GPU) in buckets, with per-actor deadlines.",
+    )
+    process_group: Literal["gloo", "nccl"] = Field("gloo", description="Backend of the distributed weight group.")
+    push_timeout_s: float = Field(60, gt=0, description="Deadline of one distributed push; a stalled actor is named.")
+    bucket_mb: int = Field(64, gt=0, description="Bucket size of a distributed push, in MiB.")
+
+
 class ActorPlacement(Section):
     count: int = Field(1, gt=0, description="Number of generation actors (one vLLM engine each).")
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per generation actor.")
@@ -229,6 +240,7 @@ class TandemConfig(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")

@@ -16,8 +16,7 @@ import time
 from typing import Any
 
 from cluster.placement import reserve
-from cluster.weights import build_weight_channel
-from launch.build import build_generation_actors, build_learner_group, start_ray
+from launch.build import build_generation_actors, build_learner_group, build_weight_path, start_ray
 from launch.config import TandemConfig
 from launch.run_dir import RunLog
 from launch.stepping import BatchCollector, Pace, step_metrics
@@ -36,7 +35,6 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
     P, k, steps = cfg.rollout.prompts_per_step, cfg.run.max_staleness, cfg.run.steps
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
     results_queue = build_queue("ray", "results", maxsize=P * (k + 2))
-    channel = build_weight_channel("ray")
     scheduling = reserve(cfg.resources.model_dump())  # one placement group: a bundle per actor and rank
     n_actors = cfg.resources.actors.count
     actors, learner = await asyncio.gather(
@@ -44,9 +42,11 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         build_learner_group(cfg, model_path, run, scheduling[n_actors:]),
     )
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
+    weights = await build_weight_path(cfg, learner, len(actors))  # Ray object store or a distributed broadcast
     timeouts = {"data_s": cfg.run.data_timeout_s, "weights_s": cfg.run.weights_timeout_s}
     actor_loops = {
-        a.run.remote(prompt_queue, results_queue, channel, timeouts): f"actor-{i}" for i, a in enumerate(actors)
+        a.run.remote(prompt_queue, results_queue, weights.channels[i], timeouts): f"actor-{i}"
+        for i, a in enumerate(actors)
     }
     pace = Pace(prompts_per_step=P, max_staleness=k)
     run.say(f"training {steps} steps: {P} prompts x {cfg.rollout.group_size} samples per step, max staleness {k}")
@@ -63,8 +63,7 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
             t0 = time.monotonic()
             batch = await collector.collect(P, step=step, max_staleness=k)
             learner_metrics = await learner.train_step(batch.groups)
-            weights = await learner.export_weights()
-            channel.publish(step + 1, weights)
+            await weights.publish(step + 1)
             pace.advance(step + 1)  # policy version step + 1 is now on the channel
             run.step(step, step_metrics(batch, learner_metrics, time.monotonic() - t0))
 
@@ -73,6 +72,6 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         await training_loop()
     finally:
         rollout.cancel()
-        channel.close()
+        await weights.close()
     finals = await asyncio.gather(*actor_loops, return_exceptions=True)
     return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals], "placement": run.placement}

@@ -159,6 +159,17 @@ class LearnerGroup:
                 )
         return metrics
 
+    async def open_weight_channel(self, receivers: int, weights: dict[str, Any], connect_timeout_s: float):
+        """The distributed weight path: rank 0 publishes to ``receivers`` actors; returns the spec
+        actors join with (``spec.handle(rank, name)``)."""
+        return await self.workers[0].open_weight_publisher.remote(receivers, weights, connect_timeout_s)
+
+    async def publish_weights(self, version: int) -> None:
+        await asyncio.gather(*[w.publish_weights.remote(version) for w in self.workers])
+
+    async def close_weight_channel(self) -> None:
+        await self.workers[0].close_weight_publisher.remote()
+
     async def export_weights(self):
         """Every rank takes part (ZeRO-3 gathers); returns the ObjectRef of rank 0's weights."""
         import ray

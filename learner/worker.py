@@ -222,6 +222,34 @@ class LearnerWorker:
             batch, lp = self._forward_logprobs(micro_batch)
         return [row[:n] for row, n in zip(lp.tolist(), batch.completion_lengths)]
 
+    def open_weight_publisher(self, receivers: int, weights: dict[str, Any], connect_timeout_s: float):
+        """Rank 0: start the distributed weight group (this rank + ``receivers`` actors); returns its spec."""
+        import ray
+
+        from cluster.dist_channel import DistPublisher
+
+        self.publisher = DistPublisher(
+            ray.util.get_node_ip_address(),
+            0,
+            receivers + 1,
+            weights["push_timeout_s"],
+            connect_timeout_s=connect_timeout_s,
+            bucket_bytes=weights["bucket_mb"] << 20,
+            backend=weights["process_group"],
+        )
+        return self.publisher.spec
+
+    def publish_weights(self, version: int) -> None:
+        """Every rank (gathering ZeRO-3 shards is a collective); rank 0 pushes to the actors and
+        raises ``WeightPushError`` naming any actor that did not take them within the deadline."""
+        named = self.export_weights()
+        if self.rank == 0:
+            self.publisher.publish(version, named)
+
+    def close_weight_publisher(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
+
     def export_weights(self) -> list | None:
         """(HF name, CPU tensor) pairs on rank 0, None elsewhere. Every rank must call it
         (under ZeRO-3 gathering the shards is a collective)."""

@@ -72,3 +72,21 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path):
     assert ray.get(actor.stats.remote())["version"] == 1
     assert max(abs(a - b) for a, b in zip(after, learner_after)) < 1e-4
     assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3  # the push changed the actor's policy
+
+
+def test_a_run_over_the_distributed_weight_channel(tmp_path, tiny_model_dir, capsys):
+    """weights.backend=distributed: learner rank 0 broadcasts over its own gloo group; every step's
+    weights reach the actor (one load per published version) and the run completes."""
+    import json
+    from pathlib import Path
+
+    from launch.cli import main
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    code = main(["train", "--config", str(demo), f"model.path={tiny_model_dir}", "model.build_tiny=false",
+                 "run.steps=8", "run.max_staleness=0", "weights.backend=distributed", f"run.output_dir={tmp_path}"])
+    assert code == 0, capsys.readouterr()
+    summary = json.loads(next(tmp_path.iterdir()).joinpath("summary.json").read_text())
+    assert summary["steps"] == 8
+    # k = 0: each of versions 1..7 must be loaded before the next step's prompts are generated
+    assert summary["actors"][0]["weight_loads"] == 7
