@@ -73,5 +73,11 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
     finally:
         rollout.cancel()
         await weights.close()
-    finals = await asyncio.gather(*actor_loops, return_exceptions=True)
+    try:  # actor loops end once the channel closes; a stuck one is left to Ray's shutdown
+        finals = await asyncio.wait_for(
+            asyncio.gather(*actor_loops, return_exceptions=True), timeout=cfg.run.weights_timeout_s
+        )
+    except asyncio.TimeoutError:
+        run.say(f"some actors did not stop within {cfg.run.weights_timeout_s:.0f}s; shutting them down")
+        finals = [f"did not stop within {cfg.run.weights_timeout_s:.0f}s"] * len(actor_loops)
     return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals], "placement": run.placement}

@@ -33,13 +33,15 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
     from actors.async_generation import AsyncGenerationActor
 
     engine = EngineConfig().model_dump()
-    rollout = RolloutConfig(group_size=2, max_tokens=400, min_tokens=400, weight_update="inflight").model_dump()
+    # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way.
+    rollout = RolloutConfig(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight").model_dump()
     actor = (
         ray.remote(AsyncGenerationActor)
         .options(**generation_actor_options({"num_cpus": 1, "num_gpus": 0}, 0, engine))
         .remote("actor-0", tiny_model_dir, engine, rollout, "builtin:successor", "float32", 0, str(tmp_path / "a.log"))
     )
     ray.get(actor.ready.remote())
+    ray.get(actor.completion_logprobs.remote([5, 6], [7]))  # warm-up: the first logprobs call compiles an op
 
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -51,7 +53,7 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
 
     request = PromptRequest(prompt_id=1, row={"prompt": "next 3:", "answer": "4"}, min_version=0)
     group_ref = actor.generate_group.remote(request)
-    time.sleep(1.0)  # let the old weights sample part of the completion
+    time.sleep(0.3)  # let the old weights sample part of the completion
     ray.get(actor.load_weights.remote(named, 1, "keep"))
     group = ray.get(group_ref)
 
