@@ -60,7 +60,6 @@ __all__ = [
     "get_task",
     "make_rows",
     "match_reward",
-    "read_jsonl",
     "successor_reward",
     "successor_rows",
     "write_jsonl",
@@ -267,9 +266,3 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The rows of a JSONL file (blank lines skipped)."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -56,7 +56,3 @@ class TrajectoryGroup:
     @property
     def oldest_version(self) -> int:
         return min(min(t.policy_versions, default=0) for t in self.trajectories)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(t.num_tokens for t in self.trajectories)

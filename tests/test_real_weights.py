@@ -83,8 +83,19 @@ def test_a_run_over_the_distributed_weight_channel(tmp_path, tiny_model_dir, cap
     from launch.cli import main
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-    code = main(["train", "--config", str(demo), f"model.path={tiny_model_dir}", "model.build_tiny=false",
-                 "run.steps=8", "run.max_staleness=0", "weights.backend=distributed", f"run.output_dir={tmp_path}"])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(demo),
+            f"model.path={tiny_model_dir}",
+            "model.build_tiny=false",
+            "run.steps=8",
+            "run.max_staleness=0",
+            "weights.backend=distributed",
+            f"run.output_dir={tmp_path}",
+        ]
+    )
     assert code == 0, capsys.readouterr()
     summary = json.loads(next(tmp_path.iterdir()).joinpath("summary.json").read_text())
     assert summary["steps"] == 8

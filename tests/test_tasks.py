@@ -15,10 +15,10 @@ from actors.tasks import (
     get_task,
     make_rows,
     match_reward,
-    read_jsonl,
     successor_reward,
     write_jsonl,
 )
+from queues.prompts import read_jsonl_rows
 
 # --- match_reward ------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ def test_write_and_read_jsonl(tmp_path):
     lines = path.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 12
     assert json.loads(lines[0]) == rows[0]
-    assert read_jsonl(path) == rows
+    assert read_jsonl_rows(path) == rows  # what Tandem's prompt loader reads back
 
 
 def test_successor_steps_scores_every_character():
