@@ -11,8 +11,9 @@ B: ``dst.copy_(src)`` of one flat buffer of the same number of bytes in this pro
 C: bare gloo: one ``broadcast`` of a flat buffer of the same bytes into a reused buffer in a
    third process, over a plain ``ProcessGroupGloo``, timed until its acknowledgement: the
    transport's ceiling, so ``push/gloo`` is the channel's own overhead.
-D: (unless ``--no-ray``) the Ray object-store path the ``ray`` backend takes: ``ray.put`` here,
-   ``ray.get`` in an actor, timed around both.
+D: (unless ``--no-ray``) the Ray object-store path the ``ray`` backend takes: ``ray.put`` of
+   ``FlatWeights`` here (as learner rank 0 stores them), ``ray.get`` and ``.tensors()`` in an
+   actor on the same node, timed around both (``ray/memcpy``: the same goal).
 
 Rounds alternate A B C D A B C D; the table gives medians. Both processes run torch with one
 thread, as learner ranks and actors do (OMP_NUM_THREADS=1).
@@ -28,7 +29,10 @@ import statistics
 import time
 from pathlib import Path
 
+from cluster.weights import FlatWeights
+
 HOST = "127.0.0.1"
+WARMUP = 2  # untimed rounds per state dict
 
 # Synthetic Qwen2-shaped state dicts (tied embeddings, bf16): name -> config fields.
 SYNTHETIC = {
@@ -147,7 +151,7 @@ class RaySink:
     def take(self, box: list) -> int:
         import ray
 
-        named = ray.get(box[0])
+        named = ray.get(box[0]).tensors()
         return sum(t.numel() * t.element_size() for _, t in named)
 
 
@@ -180,7 +184,7 @@ def main() -> None:
     sizes = [sum(t.numel() * t.element_size() for _, t in named) for named in models.values()]
     bare_store = dist.TCPStore(HOST, 0, None, True, timedelta(seconds=120), wait_for_workers=False)
     bare_peer = spawn.Process(
-        target=bare_gloo_process, args=(bare_store.port, [(n, args.rounds + 1) for n in sizes]), daemon=True
+        target=bare_gloo_process, args=(bare_store.port, [(n, args.rounds + WARMUP) for n in sizes]), daemon=True
     )
     bare_peer.start()
     bare_group = dist.ProcessGroupGloo(dist.PrefixStore("bare", bare_store), 0, 2, timedelta(seconds=120))
@@ -216,7 +220,7 @@ def main() -> None:
 
     def ray_path(named) -> float:
         start = time.perf_counter()
-        ray.get(sink.take.remote([ray.put(named)]))
+        ray.get(sink.take.remote([ray.put(FlatWeights(named))]))
         return time.perf_counter() - start
 
     rows = []
@@ -225,7 +229,8 @@ def main() -> None:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
             times = {"push": [], "memcpy": [], "gloo": [], "ray": []}
-            push(named), memcpy(src, dst), bare_gloo(src), sink and ray_path(named)  # warm up: connections, pages
+            for _ in range(WARMUP):  # warm up: connections, pages (the object store reuses a freed object's pages)
+                push(named), memcpy(src, dst), bare_gloo(src), sink and ray_path(named)
             for _ in range(args.rounds):
                 times["push"].append(push(named))
                 times["memcpy"].append(memcpy(src, dst))
@@ -252,11 +257,15 @@ def main() -> None:
     print(f"\nbucket {args.bucket_mb} MiB, {args.rounds} rounds (medians), one torch thread per process")
     print(
         f"{'state dict':<20}{'tensors':>8}{'MB':>8}{'push ms':>9}{'push GB/s':>11}{'memcpy GB/s':>13}"
-        f"{'push/memcpy':>13}{'gloo GB/s':>11}{'push/gloo':>11}{'ray ms':>9}{'ray GB/s':>10}"
+        f"{'push/memcpy':>13}{'gloo GB/s':>11}{'push/gloo':>11}{'ray ms':>9}{'ray GB/s':>10}{'ray/memcpy':>12}"
     )
     for name, count, nbytes, med in rows:
         gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
-        ray_cols = f"{med['ray'] * 1e3:>9.1f}{gbs['ray']:>10.2f}" if "ray" in med else f"{'-':>9}{'-':>10}"
+        ray_cols = (
+            f"{med['ray'] * 1e3:>9.1f}{gbs['ray']:>10.2f}{gbs['ray'] / gbs['memcpy']:>12.2f}"
+            if "ray" in med
+            else f"{'-':>9}{'-':>10}{'-':>12}"
+        )
         print(
             f"{name:<20}{count:>8}{nbytes / 1e6:>8.1f}{med['push'] * 1e3:>9.1f}{gbs['push']:>11.2f}"
             f"{gbs['memcpy']:>13.2f}{gbs['push'] / gbs['memcpy']:>13.2f}{gbs['gloo']:>11.2f}"

@@ -1,8 +1,8 @@
 """The weight channel: learner rank 0 publishes versioned weights, actors pull them.
 
 One small interface with swappable backends, picked by ``build_weight_channel``:
-- ``"ray"``: weights are a Ray object (``ray.put`` by whoever publishes); a tiny store
-  actor holds the newest version and its reference, so any actor on any node can pull.
+- ``"ray"``: weights are a Ray object (put by learner rank 0 as ``FlatWeights``); a tiny
+  store actor holds the newest version and its reference, so any actor on any node can pull.
 - ``"local"``: the same methods over an in-process variable, for tests.
 Actors pull between generate calls; ``fetch`` waits for a minimum version with a
 deadline and raises ``WeightsTimeout`` naming the versions instead of hanging.
@@ -15,6 +15,47 @@ import time
 from typing import Any
 
 NamedTensors = list  # [(hf_parameter_name, tensor), ...]
+
+
+class FlatWeights:
+    """Named tensors as raw bytes (one numpy ``uint8`` array each), the form the Ray path stores.
+
+    Ray keeps numpy buffers out of band: storing this costs one copy into the object store,
+    and an actor on the same node gets views of that shared memory, no copy at all. Pickled
+    torch tensors go through ``torch.save`` bytes instead, two more copies each way. bfloat16
+    has no numpy dtype, hence bytes plus (dtype, shape).
+    """
+
+    def __init__(self, named: NamedTensors):
+        import torch
+
+        self.entries = [
+            (
+                name,
+                str(t.dtype).removeprefix("torch."),
+                tuple(t.shape),
+                t.detach().reshape(-1).view(torch.uint8).numpy(),
+            )
+            for name, t in ((n, t.detach().cpu().contiguous()) for n, t in named)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(raw.nbytes for *_, raw in self.entries)
+
+    def tensors(self) -> NamedTensors:
+        """``(name, tensor)`` pairs viewing the stored bytes (read-only memory on the Ray path: the
+        consumer copies them into its own parameters, as every weight load does)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # "non-writable array": views of Ray's shared memory, never written
+            warnings.simplefilter("ignore", UserWarning)
+            return [
+                (name, torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape))
+                for name, dtype, shape, raw in self.entries
+            ]
 
 
 class WeightsTimeout(TimeoutError):
@@ -50,10 +91,11 @@ class RayWeightChannel:
         self._store = ray.remote(_WeightStore).options(**options).remote()
 
     def publish(self, version: int, weights: Any) -> None:
-        """``weights``: an ObjectRef to NamedTensors (preferred) or the NamedTensors themselves."""
+        """``weights``: an ObjectRef to ``FlatWeights`` (preferred: put where the weights are) or
+        the NamedTensors themselves."""
         import ray
 
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(FlatWeights(weights))
         ray.get(self._store.publish.remote(version, [ref]))
 
     def latest_version(self) -> int:
@@ -74,7 +116,9 @@ class RayWeightChannel:
         while True:
             version, box, closed = ray.get(self._store.latest.remote())
             if version >= min_version:
-                return version, (ray.get(box[0], timeout=max(1.0, deadline - time.monotonic())) if box else None)
+                if not box:
+                    return version, None
+                return version, ray.get(box[0], timeout=max(1.0, deadline - time.monotonic())).tensors()
             if closed or time.monotonic() > deadline:
                 raise WeightsTimeout(
                     f"waited {timeout:.0f}s for policy version {min_version}, newest published is {version}; "

@@ -171,10 +171,11 @@ class LearnerGroup:
         await self.workers[0].close_weight_publisher.remote()
 
     async def export_weights(self):
-        """Every rank takes part (ZeRO-3 gathers); returns the ObjectRef of rank 0's weights."""
+        """Every rank takes part (ZeRO-3 gathers); returns the ObjectRef of rank 0's weights as
+        ``cluster.weights.FlatWeights``."""
         import ray
 
-        refs = [w.export_weights.remote() for w in self.workers]
+        refs = [w.export_flat_weights.remote() for w in self.workers]
         # Wait without pulling the weights into the driver: actors fetch them from the object store.
         await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
         for ref in refs[1:]:

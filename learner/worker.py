@@ -242,7 +242,7 @@ class LearnerWorker:
     def publish_weights(self, version: int) -> None:
         """Every rank (gathering ZeRO-3 shards is a collective); rank 0 pushes to the actors and
         raises ``WeightPushError`` naming any actor that did not take them within the deadline."""
-        named = self.export_weights()
+        named = self.export_weights(copy=False)  # publish packs them into its buckets before returning
         if self.rank == 0:
             self.publisher.publish(version, named)
 
@@ -250,7 +250,15 @@ class LearnerWorker:
         if getattr(self, "publisher", None) is not None:
             self.publisher.close()
 
-    def export_weights(self) -> list | None:
+    def export_flat_weights(self):
+        """``export_weights`` as ``FlatWeights`` (rank 0; None elsewhere): the form the Ray weight
+        path stores, so the one copy is into the object store as this method returns."""
+        from cluster.weights import FlatWeights
+
+        named = self.export_weights(copy=False)
+        return FlatWeights(named) if named is not None else None
+
+    def export_weights(self, copy: bool = True) -> list | None:
         """(HF name, CPU tensor) pairs on rank 0, None elsewhere. Every rank must call it
         (under ZeRO-3 gathering the shards is a collective)."""
         import deepspeed
@@ -267,4 +275,5 @@ class LearnerWorker:
                 return named if self.rank == 0 else None
             if self.rank != 0:
                 return None
-            return [(name, t.detach().to("cpu", copy=True)) for name, t in module.state_dict().items()]
+            # copy=False: views of the live parameters (on CPU), valid until the next step.
+            return [(name, t.detach().to("cpu", copy=copy)) for name, t in module.state_dict().items()]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from cluster.weights import LocalWeightChannel, WeightsTimeout
+from cluster.weights import FlatWeights, LocalWeightChannel, WeightsTimeout
 from launch.config import load_config
 from launch.stepping import BatchCollector, Pace
 from learner.batch import completion_logprobs, pad_sequences
@@ -35,6 +35,28 @@ def test_weight_channel_waits_with_a_deadline():
     ch.publish(1, [("w", torch.zeros(1))])  # an older version never replaces a newer one
     version, named = ch.fetch(1, timeout=0.05)
     assert version == 2 and float(named[0][1]) == 1.0
+
+
+def test_flat_weights_round_trip_every_dtype_and_shape():
+    import pickle
+
+    named = [
+        ("embed", torch.randn(5, 3, dtype=torch.bfloat16)),
+        ("bias", torch.randn(3)),
+        ("scalar", torch.tensor(2.5, dtype=torch.float16)),
+        ("empty", torch.empty(0, 4)),
+        ("strided", torch.arange(12.0).reshape(3, 4).t()),  # not contiguous
+    ]
+    flat = FlatWeights(named)
+    assert flat.nbytes == 30 + 12 + 2 + 0 + 48
+    # pickle protocol 5 with out-of-band buffers, as Ray stores it: the bytes travel as buffers
+    buffers = []
+    data = pickle.dumps(flat, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(named) and len(data) < 2000
+    back = pickle.loads(data, buffers=buffers).tensors()
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(named, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def test_pace_admits_within_the_staleness_bound():

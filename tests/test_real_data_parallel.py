@@ -24,7 +24,7 @@ def _train_two_steps(ray, cfg, model_path, run, batches):
     async def go():
         group = await build_learner_group(cfg, model_path, run)
         metrics = [await group.train_step(b) for b in batches]
-        weights = ray.get(await group.export_weights())
+        weights = ray.get(await group.export_weights()).tensors()
         for w in group.workers:
             ray.kill(w)
         return metrics, dict(weights)
