@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from actors.generation import redirect_output
+from actors.generation import engine_kwargs, redirect_output
 from actors.rewards import load_reward_function
 from actors.scoring import GroupBuilder, Sample
 from queues.messages import PromptRequest
@@ -56,25 +56,11 @@ class AsyncGenerationActor:
         self._update_lock = asyncio.Lock()
 
     async def ready(self) -> dict[str, Any]:
-        import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self.engine is None:
-            memory = (
-                {"gpu_memory_utilization": self.engine_cfg["gpu_memory_utilization"]}
-                if torch.cuda.is_available()
-                else {"kv_cache_memory_bytes": self.engine_cfg["kv_cache_gib"] << 30}
-            )
-            args = AsyncEngineArgs(
-                model=self.model_path,
-                dtype=self.dtype,
-                seed=self.seed,
-                max_model_len=self.engine_cfg["max_model_len"],
-                enforce_eager=self.engine_cfg["enforce_eager"],
-                worker_extension_cls="actors.vllm_worker.WeightReceiver",
-                **memory,
-            )
+            args = AsyncEngineArgs(**engine_kwargs(self.engine_cfg, self.model_path, self.dtype, self.seed))
             self.engine = AsyncLLM.from_engine_args(args)
             tokenizer = self.engine.tokenizer
             self.builder = GroupBuilder(
@@ -83,7 +69,12 @@ class AsyncGenerationActor:
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 self.step_delimiter,
             )
-            print(f"[{self.name}] async engine ready ({self.model_path}, {self.dtype})", flush=True)
+            self.tensor_parallel = self.engine.vllm_config.parallel_config.tensor_parallel_size
+            print(
+                f"[{self.name}] async engine ready ({self.model_path}, {self.dtype}, "
+                f"tensor parallel {self.tensor_parallel})",
+                flush=True,
+            )
         import ray
 
         return {
@@ -91,6 +82,7 @@ class AsyncGenerationActor:
             "pid": os.getpid(),
             "version": self.version,
             "node": ray.get_runtime_context().get_node_id(),
+            "tensor_parallel": self.tensor_parallel,
         }
 
     # --- weights -------------------------------------------------------------------

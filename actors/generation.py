@@ -34,6 +34,32 @@ def redirect_output(log_path: str | None) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
+def engine_kwargs(engine: dict[str, Any], model_path: str, dtype: str, seed: int | None) -> dict[str, Any]:
+    """vLLM engine arguments from the ``engine`` config section (plus ``tensor_parallel_size``,
+    which placement decides), shared by the sync and the in-flight actor."""
+    import torch
+
+    tp = engine.get("tensor_parallel_size", 1)
+    memory = (
+        {"gpu_memory_utilization": engine["gpu_memory_utilization"]}
+        if torch.cuda.is_available()
+        else {"kv_cache_memory_bytes": engine["kv_cache_gib"] << 30}
+    )
+    return dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=engine["max_model_len"],
+        enforce_eager=engine["enforce_eager"],
+        worker_extension_cls="actors.vllm_worker.WeightReceiver",
+        tensor_parallel_size=tp,
+        # shard workers as child processes of this actor, on the GPUs (or cores) Ray gave it;
+        # inside a Ray actor vLLM would otherwise pick its Ray executor and ask for new bundles
+        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
+        **memory,
+    )
+
+
 class GenerationActor:
     """Owns a vLLM engine. Placement (CPUs/GPUs) is given by ``cluster/``, not here."""
 
@@ -54,26 +80,12 @@ class GenerationActor:
         redirect_output(log_path)
         # In-process engine: tensors reach the worker without a serialisation hop.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        import torch
         from vllm import LLM
 
         self.name = name
         self.rollout = rollout
         self.seed = seed
-        memory = (
-            {"gpu_memory_utilization": engine["gpu_memory_utilization"]}
-            if torch.cuda.is_available()
-            else {"kv_cache_memory_bytes": engine["kv_cache_gib"] << 30}
-        )
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=engine["max_model_len"],
-            enforce_eager=engine["enforce_eager"],
-            worker_extension_cls="actors.vllm_worker.WeightReceiver",
-            **memory,
-        )
+        self.llm = LLM(**engine_kwargs(engine, model_path, dtype, seed))
         tokenizer = self.llm.get_tokenizer()
         self.builder = GroupBuilder(
             name,
@@ -85,7 +97,8 @@ class GenerationActor:
         self.weight_loads = 0
         self.weight_wait_s = 0.0  # time spent waiting for / loading weights
         self._unreported_wait_s = 0.0
-        print(f"[{name}] engine ready ({model_path}, {dtype})", flush=True)
+        self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        print(f"[{name}] engine ready ({model_path}, {dtype}, tensor parallel {self.tensor_parallel})", flush=True)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -95,6 +108,7 @@ class GenerationActor:
             "pid": os.getpid(),
             "version": self.version,
             "node": ray.get_runtime_context().get_node_id(),
+            "tensor_parallel": self.tensor_parallel,
         }
 
     # --- weights -------------------------------------------------------------------

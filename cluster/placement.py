@@ -1,10 +1,14 @@
 """Placement: which Ray resources each process gets, from the ``resources`` config section.
 
 Nothing else in Tandem names CPUs or GPUs; actors are created with
-``Actor.options(**placement).remote(**params)``. The plan is one Ray placement group
-with a bundle per generation actor and per learner rank (``plan_bundles``);
-``check_fits`` compares the totals with what the cluster offers before anything starts,
-and ``reserve`` waits (with a deadline) for Ray to place every bundle on a node.
+``Actor.options(**placement).remote(**params)``. The plan is one Ray placement group with
+a bundle per process (``plan_bundles``): every generation actor, every learner rank, and,
+when they are placed separately, every critic rank and reference actor. ``check_fits``
+compares the totals with what the cluster offers before anything starts, and ``reserve``
+waits (with a deadline) for Ray to place every bundle on a node.
+
+``resources`` here is ``TandemConfig.placement()``: its ``critic`` / ``reference`` entries
+are None when those models live on the learner ranks (or the run has none).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ def generation_actor_options(
         "TOKENIZERS_PARALLELISM": "false",
     }
     if not actors["num_gpus"]:
-        # vLLM on CPU ignores Ray's CPU accounting and would pin every engine to core 0.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
+        # vLLM on CPU ignores Ray's CPU accounting and would pin every engine to core 0;
+        # a tensor-parallel engine takes one core per shard ("0|1").
+        tp, cores = actors.get("tensor_parallel", 1), os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str((index * tp + j) % cores) for j in range(tp))
         env["VLLM_CPU_KVCACHE_SPACE"] = str(engine["kv_cache_gib"])
     return _with_scheduling(
         {
@@ -52,7 +58,8 @@ def _with_scheduling(options: dict[str, Any], scheduling: Any) -> dict[str, Any]
 
 
 def learner_rank_options(learner: dict[str, Any], scheduling: Any = None) -> dict[str, Any]:
-    """Ray options for one learner rank (``scheduling``: its placement-group bundle)."""
+    """Ray options for one learner rank, or a separate critic rank or reference actor (the same
+    keys: ``num_cpus``, ``num_gpus``, ``custom``); ``scheduling``: its placement-group bundle."""
     env = {"OMP_NUM_THREADS": str(max(1, int(learner["num_cpus"]))), "TOKENIZERS_PARALLELISM": "false"}
     if not learner["num_gpus"]:
         env["DS_ACCELERATOR"] = "cpu"
@@ -67,35 +74,68 @@ def learner_rank_options(learner: dict[str, Any], scheduling: Any = None) -> dic
     )
 
 
+# What one process of each kind is called in messages.
+PROCESS_LABELS = {"actor": "actor", "learner": "learner rank", "critic": "critic rank", "reference": "reference actor"}
+
+
+def process_groups(resources: dict[str, Any]) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """``(name prefix, config key, count, section)`` for each kind of process the plan places."""
+    groups = [
+        ("actor", "actors", resources["actors"]["count"], resources["actors"]),
+        ("learner", "learner", resources["learner"]["ranks"], resources["learner"]),
+    ]
+    if resources.get("critic"):  # as many critic ranks as learner ranks: they train on the same shards
+        groups.append(("critic", "critic", resources["learner"]["ranks"], resources["critic"]))
+    if resources.get("reference"):
+        groups.append(("reference", "reference", resources["reference"]["count"], resources["reference"]))
+    return groups
+
+
 def required_resources(resources: dict[str, Any]) -> dict[str, float]:
-    a, learner = resources["actors"], resources["learner"]
-    need = {
-        "CPU": a["count"] * a["num_cpus"] + learner["ranks"] * learner["num_cpus"],
-        "GPU": a["count"] * a["num_gpus"] + learner["ranks"] * learner["num_gpus"],
-    }
-    for p, n in ((a, a["count"]), (learner, learner["ranks"])):
-        for key, value in (p.get("custom") or {}).items():
+    need = {"CPU": 0.0, "GPU": 0.0}
+    for _, _, n, section in process_groups(resources):
+        need["CPU"] += n * section["num_cpus"]
+        need["GPU"] += n * section["num_gpus"]
+        for key, value in (section.get("custom") or {}).items():
             need[key] = need.get(key, 0.0) + n * value
     return need
 
 
+def explain_sum(resources: dict[str, Any], kind: str) -> str:
+    """How the plan's total of ``kind`` (CPU or GPU) adds up, e.g. ``3 actors x 1 + 1 learner ranks x 1``."""
+    field = f"num_{kind.lower()}s"
+    return " + ".join(
+        f"{n} {PROCESS_LABELS[prefix]}s x {section[field]:g}" for prefix, _, n, section in process_groups(resources)
+    )
+
+
+def fix_hint(resources: dict[str, Any], kind: str) -> str:
+    """Which config keys lower the plan's ``kind`` total."""
+    keys = ["resources.actors.count", "resources.learner.ranks"]
+    if resources.get("reference"):
+        keys.append("resources.reference.count")
+    separate = [k for k in ("critic", "reference") if resources.get(k)]
+    hint = f"reduce {' or '.join(keys)}, or the per-process num_{kind.lower()}s"
+    if separate:
+        hint += f", or set resources.{'/'.join(separate)}.placement=colocated"
+    return hint
+
+
 def check_fits(resources: dict[str, Any], available: dict[str, float]) -> None:
     """Raise ``PlacementError`` explaining what does not fit."""
-    need = required_resources(resources)
-    for kind, amount in need.items():
+    for kind, amount in required_resources(resources).items():
         have = available.get(kind, 0.0)
-        if amount > have + 1e-9 and kind not in ("CPU", "GPU"):
+        if amount <= have + 1e-9:
+            continue
+        if kind not in ("CPU", "GPU"):
             raise PlacementError(
                 f"{amount:g} of custom resource '{kind}' asked, {have:g} available: start nodes with "
                 f"--resources '{{\"{kind}\": N}}' or change resources.*.custom"
             )
-        if amount > have + 1e-9:
-            a, learner = resources["actors"], resources["learner"]
-            raise PlacementError(
-                f"{amount:g} {kind}s asked ({a['count']} actors x {a['num_' + kind.lower() + 's']:g} + "
-                f"{learner['ranks']} learner ranks x {learner['num_' + kind.lower() + 's']:g}), {have:g} available: "
-                f"reduce resources.actors.count or resources.learner.ranks, or the per-process num_{kind.lower()}s"
-            )
+        raise PlacementError(
+            f"{amount:g} {kind}s asked ({explain_sum(resources, kind)}), {have:g} available: "
+            f"{fix_hint(resources, kind)}"
+        )
 
 
 def local_ray_cpus(resources: dict[str, Any]) -> int:
@@ -108,7 +148,8 @@ def local_ray_cpus(resources: dict[str, Any]) -> int:
 
 
 def plan_bundles(resources: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    """``(process name, bundle)`` for every generation actor, then every learner rank."""
+    """``(process name, bundle)`` for every process: actors, learner ranks, then separate
+    critic ranks and reference actors."""
 
     def bundle(p: dict[str, Any]) -> dict[str, float]:
         b = {"CPU": float(p["num_cpus"]), **{k: float(v) for k, v in (p.get("custom") or {}).items()}}
@@ -116,10 +157,7 @@ def plan_bundles(resources: dict[str, Any]) -> list[tuple[str, dict[str, float]]
             b["GPU"] = float(p["num_gpus"])
         return b
 
-    a, learner = resources["actors"], resources["learner"]
-    return [(f"actor-{i}", bundle(a)) for i in range(a["count"])] + [
-        (f"learner-{r}", bundle(learner)) for r in range(learner["ranks"])
-    ]
+    return [(f"{prefix}-{i}", bundle(section)) for prefix, _, n, section in process_groups(resources) for i in range(n)]
 
 
 def describe_plan(resources: dict[str, Any], nodes: list[dict] | None = None) -> str:
@@ -140,8 +178,8 @@ def _fmt(resources: dict[str, float]) -> str:
 
 
 def reserve(resources: dict[str, Any]):
-    """Create the placement group and wait for it; returns per-process scheduling strategies
-    (actors first, then learner ranks). Raises ``PlacementError`` naming what does not fit."""
+    """Create the placement group and wait for it; returns each process's scheduling strategy
+    by name (``actor-0``, ``learner-0``, ...). Raises ``PlacementError`` naming what does not fit."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -158,6 +196,7 @@ def reserve(resources: dict[str, Any]):
             "num_cpus/num_gpus/custom, or use resources.strategy=SPREAD. "
             f"Nodes: {'; '.join(_fmt(n['Resources']) for n in nodes)}"
         )
-    return [
-        PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i) for i in range(len(named))
-    ]
+    return {
+        name: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        for i, (name, _) in enumerate(named)
+    }

@@ -16,7 +16,7 @@ from cluster.placement import (
     learner_rank_options,
     local_ray_cpus,
 )
-from launch.config import TandemConfig
+from launch.config import CRITIC_METHODS, TandemConfig
 from launch.run_dir import RunLog
 
 
@@ -77,22 +77,24 @@ async def _await_ready(refs: list, names: list[str], log_paths: list[str], timeo
     return results
 
 
-async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: list) -> list:
-    """``scheduling``: one placement-group bundle strategy per actor (from ``cluster.placement.reserve``)."""
+async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict) -> list:
+    """``scheduling``: the placement-group bundle strategy of each process by name (from
+    ``cluster.placement.reserve``)."""
     import ray
 
     from actors.async_generation import AsyncGenerationActor
     from actors.generation import GenerationActor
 
     placement = cfg.resources.actors.model_dump()
-    engine = cfg.engine.model_dump()
+    # the engine shards over the actor's GPUs (or cores): placement decides how many
+    engine = {**cfg.engine.model_dump(), "tensor_parallel_size": placement["tensor_parallel"]}
     Actor = ray.remote(AsyncGenerationActor if cfg.rollout.weight_update == "inflight" else GenerationActor)
     actors, names, logs = [], [], []
     for i in range(cfg.resources.actors.count):
         name = f"actor-{i}"
         log = run.log_path(name)
         actors.append(
-            Actor.options(**generation_actor_options(placement, i, engine, scheduling[i])).remote(
+            Actor.options(**generation_actor_options(placement, i, engine, scheduling[name])).remote(
                 name=name,
                 model_path=model_path,
                 engine=engine,
@@ -141,22 +143,59 @@ async def build_weight_path(cfg: TandemConfig, learner, n_actors: int) -> Weight
     return WeightPath("ray", learner, [store] * n_actors, store)
 
 
-async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: list | None = None):
-    """``scheduling``: one placement-group bundle strategy per rank (None: plain resource requests)."""
+async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict | None = None):
+    """The policy ranks, and the critic ranks and reference actors when they are placed
+    separately. ``scheduling``: each process's placement-group bundle strategy by name
+    (None: plain resource requests)."""
+    from learner.group import LearnerGroup
+
+    plan = cfg.placement()
+    needs_critic = cfg.algorithm.name in CRITIC_METHODS
+    needs_reference = cfg.algorithm.kl.placement != "none"
+    roles = ("policy",) + (("critic",) if needs_critic and not plan["critic"] else ())
+    roles += ("reference",) if needs_reference and not plan["reference"] else ()
+    ranks = cfg.resources.learner.ranks
+    kinds = [("learner", ranks, plan["learner"], roles)]
+    if plan["critic"]:
+        kinds.append(("critic", ranks, plan["critic"], ("critic",)))
+    if plan["reference"]:
+        kinds.append(("reference", plan["reference"]["count"], plan["reference"], ("reference",)))
+    started = await asyncio.gather(*[_start_ranks(cfg, model_path, run, scheduling, *kind) for kind in kinds])
+    by_kind = dict(zip((k[0] for k in kinds), started))
+    return LearnerGroup(
+        by_kind["learner"],
+        cfg.algorithm.model_dump(),
+        cfg.learner.token_budget,
+        cfg.rollout.max_tokens,
+        critics=by_kind.get("critic"),
+        references=by_kind.get("reference"),
+    )
+
+
+async def _start_ranks(
+    cfg: TandemConfig,
+    model_path: str,
+    run: RunLog,
+    scheduling: dict | None,
+    prefix: str,
+    count: int,
+    placement: dict[str, Any],
+    roles: tuple[str, ...],
+) -> list:
+    """Start ``count`` ``LearnerWorker`` processes named ``<prefix>-<i>`` holding ``roles``; the
+    ranks of one kind form one DeepSpeed group (a reference actor is a group of one and joins none)."""
     import ray
 
-    from learner.group import LearnerGroup
     from learner.worker import LearnerWorker
 
-    ranks = cfg.resources.learner.ranks
-    placement = cfg.resources.learner.model_dump()
-    names = [f"learner-{r}" for r in range(ranks)]
+    world = 1 if roles == ("reference",) else count
+    names = [f"{prefix}-{r}" for r in range(count)]
     logs = [run.log_path(n) for n in names]
     workers = [
         ray.remote(LearnerWorker)
-        .options(**learner_rank_options(placement, scheduling[r] if scheduling else None))
-        .remote(r, ranks, log)
-        for r, log in zip(range(ranks), logs)
+        .options(**learner_rank_options(placement, scheduling[name] if scheduling else None))
+        .remote(r % world, world, log)
+        for r, (name, log) in enumerate(zip(names, logs))
     ]
     master_addr, master_port = await workers[0].rendezvous_address.remote()
     setups = [
@@ -168,9 +207,10 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, s
             cfg.algorithm.model_dump(),
             cfg.model.dtype,
             cfg.run.seed,
+            roles,
         )
         for w in workers
     ]
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
-    run.placement.update({f"learner-{info['rank']}": info["node"] for info in infos})
-    return LearnerGroup(workers, cfg.algorithm.model_dump(), cfg.learner.token_budget, cfg.rollout.max_tokens)
+    run.placement.update({name: info["node"] for name, info in zip(names, infos)})
+    return workers

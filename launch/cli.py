@@ -145,7 +145,7 @@ def show_plan(config_path: str, overrides: list[str], address: str | None) -> in
     from cluster.placement import check_fits, describe_plan, local_ray_cpus
 
     cfg = load_config(config_path, overrides)
-    resources = cfg.resources.model_dump()
+    resources = cfg.placement()
     if not address:
         print(describe_plan(resources))
         print(f"local Ray would advertise {local_ray_cpus(resources)} CPUs (pass --address to check a cluster)")

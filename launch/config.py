@@ -94,6 +94,7 @@ class LearnerConfig(Section):
 
 
 METHODS = ("reinforce", "rloo", "grpo", "grpo_process", "dr_grpo", "gspo", "cispo", "ppo")
+CRITIC_METHODS = ("ppo",)  # the methods whose learner trains a value model (learner.methods: needs_critic)
 
 
 class KLConfig(Section):
@@ -189,7 +190,12 @@ class WeightsConfig(Section):
 class ActorPlacement(Section):
     count: int = Field(1, gt=0, description="Number of generation actors (one vLLM engine each).")
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per generation actor.")
-    num_gpus: float = Field(0, ge=0, description="Ray GPUs per generation actor (vLLM uses them).")
+    num_gpus: float = Field(
+        0, ge=0, description="Ray GPUs per generation actor; on GPU it must equal tensor_parallel (vLLM uses them all)."
+    )
+    tensor_parallel: int = Field(
+        1, gt=0, description="vLLM tensor parallel size: the engine shards the model over this many GPUs (CPU: cores)."
+    )
     custom: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources per actor, e.g. {rollout_node: 1}, to pin them to nodes.",
@@ -205,6 +211,28 @@ class LearnerPlacement(Section):
     )
 
 
+class CriticPlacement(Section):
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="PPO's critic: on the learner ranks (colocated) or on its own ranks, as many as the learner's, "
+        "training beside the policy (separate).",
+    )
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs per separate critic rank.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per separate critic rank.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per separate critic rank.")
+
+
+class ReferencePlacement(Section):
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="The frozen KL reference model: on every learner rank (colocated) or in its own actors (separate).",
+    )
+    count: int = Field(1, gt=0, description="Separate reference actors; the learner's shards are spread over them.")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs per separate reference actor.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per separate reference actor.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per reference actor.")
+
+
 class ResourcesConfig(Section):
     address: str | None = Field(None, description="Ray cluster address to join; empty starts a local Ray.")
     local_num_cpus: int | None = Field(
@@ -216,6 +244,18 @@ class ResourcesConfig(Section):
     placement_timeout_s: float = Field(60, gt=0, description="Longest wait for the placement group to be placed.")
     actors: ActorPlacement = Field(default_factory=ActorPlacement)
     learner: LearnerPlacement = Field(default_factory=LearnerPlacement)
+    critic: CriticPlacement = Field(default_factory=CriticPlacement)
+    reference: ReferencePlacement = Field(default_factory=ReferencePlacement)
+
+    @model_validator(mode="after")
+    def _gpus_match_tensor_parallel(self) -> ResourcesConfig:
+        a = self.actors
+        if a.num_gpus and a.num_gpus != a.tensor_parallel:
+            raise ValueError(
+                f"resources.actors.num_gpus = {a.num_gpus:g} but resources.actors.tensor_parallel = "
+                f"{a.tensor_parallel}: each vLLM engine shards over all its GPUs; set them equal"
+            )
+        return self
 
 
 class RunConfig(Section):
@@ -264,6 +304,16 @@ class TandemConfig(Section):
                 f"rollout.max_tokens = {self.rollout.max_tokens}"
             )
         return self
+
+    def placement(self) -> dict[str, Any]:
+        """The ``resources`` section as the placement code reads it: ``critic`` / ``reference`` are
+        None unless they are placed separately and this run has one (PPO's critic; a KL term)."""
+        res = self.resources.model_dump()
+        if res["critic"]["placement"] != "separate" or self.algorithm.name not in CRITIC_METHODS:
+            res["critic"] = None
+        if res["reference"]["placement"] != "separate" or self.algorithm.kl.placement == "none":
+            res["reference"] = None
+        return res
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

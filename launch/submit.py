@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.placement import required_resources
+from cluster.placement import PROCESS_LABELS, explain_sum, process_groups, required_resources
 from launch.config import TandemConfig, parse_overrides
 
 # Never shipped to the cluster: the local environment, earlier runs, history, bytecode.
@@ -56,23 +56,22 @@ def check_allocation(cfg: TandemConfig, *, machines: int, gpus_each: int, cpus_e
 
     ``unit`` names a machine in the message ("nodes", "worker pods"); ``fix`` names the launcher flags to raise.
     """
-    res = cfg.resources
-    need = required_resources(res.model_dump())
+    plan = cfg.placement()
+    need = required_resources(plan)
     for kind, each in (("GPU", gpus_each), ("CPU", cpus_each)):
         field = f"num_{kind.lower()}s"
         have = machines * each
         if need[kind] > have + 1e-9:
             raise LaunchError(
-                f"the plan needs {need[kind]:g} {kind}s ({res.actors.count} actors x {getattr(res.actors, field):g} + "
-                f"{res.learner.ranks} learner ranks x {getattr(res.learner, field):g}) but {machines} {unit} x "
+                f"the plan needs {need[kind]:g} {kind}s ({explain_sum(plan, kind)}) but {machines} {unit} x "
                 f"{each} {kind}s = {have:g}; {fix}, or lower resources.actors.count / resources.learner.ranks"
             )
         # Ray places each process on one machine: a process larger than a machine never starts.
-        for name, per_process in (("actor", getattr(res.actors, field)), ("learner rank", getattr(res.learner, field))):
-            if per_process > each + 1e-9:
+        for prefix, key, _, section in process_groups(plan):
+            if section[field] > each + 1e-9:
                 raise LaunchError(
-                    f"one {name} asks for {per_process:g} {kind}s but each of the {unit} has {each}; "
-                    f"{fix}, or lower resources.{'actors' if name == 'actor' else 'learner'}.{field}"
+                    f"one {PROCESS_LABELS[prefix]} asks for {section[field]:g} {kind}s but each of the {unit} "
+                    f"has {each}; {fix}, or lower resources.{key}.{field}"
                 )
 
 

@@ -26,20 +26,21 @@ from queues.prompts import PromptStream
 
 
 async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str) -> dict[str, Any]:
-    start_ray(cfg.resources.model_dump())
+    plan = cfg.placement()
+    start_ray(plan)
+    extra = "".join(f", {n} separate {k} process(es)" for k, n in _separate(plan))
     run.say(
         f"run directory: {run.root}\nstarting {cfg.resources.actors.count} generation actor(s) and "
-        f"{cfg.resources.learner.ranks} learner rank(s) ..."
+        f"{cfg.resources.learner.ranks} learner rank(s){extra} ..."
     )
 
     P, k, steps = cfg.rollout.prompts_per_step, cfg.run.max_staleness, cfg.run.steps
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
     results_queue = build_queue("ray", "results", maxsize=P * (k + 2))
-    scheduling = reserve(cfg.resources.model_dump())  # one placement group: a bundle per actor and rank
-    n_actors = cfg.resources.actors.count
+    scheduling = reserve(plan)  # one placement group: a bundle per process
     actors, learner = await asyncio.gather(
-        build_generation_actors(cfg, model_path, run, scheduling[:n_actors]),
-        build_learner_group(cfg, model_path, run, scheduling[n_actors:]),
+        build_generation_actors(cfg, model_path, run, scheduling),
+        build_learner_group(cfg, model_path, run, scheduling),
     )
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
     weights = await build_weight_path(cfg, learner, len(actors))  # Ray object store or a distributed broadcast
@@ -81,3 +82,9 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         run.say(f"some actors did not stop within {cfg.run.weights_timeout_s:.0f}s; shutting them down")
         finals = [f"did not stop within {cfg.run.weights_timeout_s:.0f}s"] * len(actor_loops)
     return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals], "placement": run.placement}
+
+
+def _separate(plan: dict[str, Any]) -> list[tuple[str, int]]:
+    """(kind, count) of the models placed apart from the learner ranks."""
+    out = [("critic", plan["learner"]["ranks"])] if plan["critic"] else []
+    return out + ([("reference", plan["reference"]["count"])] if plan["reference"] else [])

@@ -5,10 +5,12 @@ One training step over a batch of scored trajectory groups:
      the ranks by tokens and packed into equal numbers of micro-batches per rank, with its
      global normalisers;
   2. if the method needs them, ask every rank for the old-policy log-probs, reference
-     log-probs and critic values of its sequences (``score``);
+     log-probs and critic values of its sequences (``score``); separately placed critic
+     ranks and reference actors score the same shards at the same time;
   3. compute advantages over the WHOLE batch here (group baselines need whole groups,
      whitening needs the whole batch): ``learner/returns.py``;
-  4. every rank trains on its shard; rank 0 then exports the weights.
+  4. every rank trains on its shard (separate critic ranks train on theirs concurrently);
+     rank 0 then exports the weights.
 """
 
 from __future__ import annotations
@@ -109,10 +111,20 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 class LearnerGroup:
-    """Drives the ranks (Ray actor handles of ``LearnerWorker``)."""
+    """Drives the ranks (Ray actor handles of ``LearnerWorker``): the policy ranks ``workers``,
+    and when placed separately ``critics`` (one per policy rank) and ``references`` (any number)."""
 
-    def __init__(self, workers: list, algorithm: dict[str, Any], token_budget: int, max_tokens: int):
+    def __init__(
+        self,
+        workers: list,
+        algorithm: dict[str, Any],
+        token_budget: int,
+        max_tokens: int,
+        critics: list | None = None,
+        references: list | None = None,
+    ):
         self.workers = workers
+        self.critics, self.references = critics or [], references or []
         self.algorithm = algorithm
         self.method = get_method(algorithm["name"])
         self.token_budget = token_budget
@@ -130,12 +142,7 @@ class LearnerGroup:
         sequences = build_train_sequences(groups)
         shards = shard_sequences(sequences, len(self.workers), self.token_budget, algo["minibatches"])
         if self.needs_scoring:
-            scores = await asyncio.gather(*[w.score.remote(s) for w, s in zip(self.workers, shards)])
-            for shard, per_seq in zip(shards, scores):
-                for seq, fields in zip(shard.sequences(), per_seq):
-                    seq.old_logprobs = fields["old_logprobs"]
-                    seq.ref_logprobs = fields.get("ref_logprobs")
-                    seq.old_values = fields.get("values")
+            await self._score(shards)
         kl_name = algo["kl"]["estimator"] if algo["kl"]["placement"] != "none" else None
         batch = scored_batch(groups, sequences, kl_name)
         rewards = shape_sequence_rewards(batch, algo, self.max_tokens, self.reward_stats)
@@ -147,8 +154,14 @@ class LearnerGroup:
                 seq.returns = returns[i, :n].tolist()
         for shard in shards:
             shard.epochs, shard.kl_beta = algo["epochs"], self.kl_beta
-        results = await asyncio.gather(*[w.train_step.remote(s) for w, s in zip(self.workers, shards)])
-        metrics = merge_rank_metrics(list(results))
+        calls = [w.train_step.remote(s) for w, s in zip(self.workers, shards)]
+        calls += [c.train_step.remote(s) for c, s in zip(self.critics, shards)]
+        results = await asyncio.gather(*calls)
+        metrics = merge_rank_metrics(list(results[: len(self.workers)]))
+        if self.critics:  # the critic's own metrics; its ranks trained the same tokens
+            critic = merge_rank_metrics(list(results[len(self.workers) :]))
+            metrics.update({k: v for k, v in critic.items() if k.startswith(("critic_", "value_"))})
+            metrics["critic_seconds"] = critic["learner_seconds"]
         metrics["advantage_abs_mean"] = float((advantages.abs() * batch.mask).sum() / batch.mask.sum())
         if batch.kl is not None:
             kl_mean = float((batch.kl * batch.mask).sum() / batch.mask.sum())
@@ -158,6 +171,24 @@ class LearnerGroup:
                     self.kl_beta, kl_mean, algo["kl"]["target"], len(sequences), algo["kl"]["horizon"]
                 )
         return metrics
+
+    async def _score(self, shards: list[LearnerShard]) -> None:
+        """Fill each sequence's old log-probs, reference log-probs and old values, asking every
+        process that holds one of those models, all at once."""
+        calls = [w.score.remote(s) for w, s in zip(self.workers, shards)]
+        calls += [c.score.remote(s) for c, s in zip(self.critics, shards)]
+        for i, s in enumerate(shards if self.references else []):  # shards spread over the reference actors
+            calls.append(self.references[i % len(self.references)].score.remote(s))
+        results = await asyncio.gather(*calls)  # each kind of process answered for every shard, in order
+        per_shard = [{} for _ in shards]  # shard index -> field -> per-sequence lists
+        for i, per_seq in enumerate(results):
+            for field in per_seq[0] if per_seq else ():
+                per_shard[i % len(shards)][field] = [fields[field] for fields in per_seq]
+        for shard, fields in zip(shards, per_shard):
+            for j, seq in enumerate(shard.sequences()):
+                seq.old_logprobs = fields["old_logprobs"][j]
+                seq.ref_logprobs = fields["ref_logprobs"][j] if "ref_logprobs" in fields else None
+                seq.old_values = fields["values"][j] if "values" in fields else None
 
     async def open_weight_channel(self, receivers: int, weights: dict[str, Any], connect_timeout_s: float):
         """The distributed weight path: rank 0 publishes to ``receivers`` actors; returns the spec

@@ -5,6 +5,12 @@ of the sampled tokens with its own weights, evaluates the policy loss with the
 global normalisers (so N ranks x 1/N of the batch == 1 rank x the whole batch), runs
 backward over its micro-batches and steps. Rank 0 exports the weights by Hugging
 Face parameter name for the weight channel.
+
+A process holds one or more roles: ``policy`` (the trained model), ``critic`` (PPO's
+value model, its own DeepSpeed engine) and ``reference`` (the frozen KL reference).
+Colocated, one rank holds all its run needs; placed separately, critic ranks form their
+own DeepSpeed group beside the policy's (training concurrently on the same shards) and a
+reference actor holds only the reference and no process group.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 from learner.algorithms import value_loss
 from learner.batch import LearnerShard
 from learner.critic import build_value_model
-from learner.methods import build_objective, get_method, value_weights
+from learner.methods import build_objective, value_weights
 from learner.packing import pack_sequences, packed_at_completion, packed_completion_logprobs
 
 
@@ -34,6 +40,13 @@ def deepspeed_config(learner: dict[str, Any], dtype: str) -> dict[str, Any]:
         "bf16": {"enabled": dtype == "bfloat16"},
         "steps_per_print": 10**9,
     }
+
+
+def _attention_of(model) -> str:
+    """The attention implementation of a policy engine, a critic engine or a plain reference model."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps its module
+    config = getattr(module, "config", None) or getattr(getattr(module, "backbone", None), "config", None)
+    return getattr(config, "_attn_implementation", "sdpa")
 
 
 class LearnerWorker:
@@ -65,8 +78,53 @@ class LearnerWorker:
         algorithm: dict[str, Any],
         dtype: str,
         seed: int,
+        roles: tuple[str, ...] = ("policy",),
     ) -> dict[str, Any]:
-        """Join the process group and build the DeepSpeed engine (all ranks call it together)."""
+        """Join the process group and build this process's models (all ranks of a group call it
+        together; a reference-only process joins no group)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.roles = tuple(roles)
+        if "policy" in roles or "critic" in roles:
+            self._init_distributed(master_addr, master_port, cuda)
+        self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+        self.algorithm = algorithm
+        self.engine = self.critic = self.reference = None
+        if "policy" in roles:
+            self.engine = self._engine(
+                AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), learner, dtype
+            )
+            self.objective = build_objective(algorithm)
+        if "critic" in roles:
+            critic_cfg = algorithm["critic"]
+            value_model = build_value_model(critic_cfg["path"] or model_path, critic_cfg["init"], seed)
+            self.critic = self._engine(value_model, {**learner, "lr": critic_cfg["lr"]}, dtype)
+        if "reference" in roles:
+            ref_path = algorithm["kl"]["reference_path"] or model_path
+            dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+            self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(self.device).eval()
+            self.reference.requires_grad_(False)
+        self.zero_stage = learner["zero_stage"]
+        # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
+        attention = _attention_of(next(m for m in (self.engine, self.critic, self.reference) if m is not None))
+        self.mask_dtype = (
+            torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        )
+        self.row_tokens = learner["pack_row_tokens"]
+        print(
+            f"[learner {self.rank}/{self.world_size}] ready: {'+'.join(self.roles)}, {algorithm['name']}, "
+            f"ZeRO-{self.zero_stage}, {dtype}",
+            flush=True,
+        )
+        import ray
+
+        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    def _init_distributed(self, master_addr: str, master_port: int, cuda: bool) -> None:
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -76,51 +134,13 @@ class LearnerWorker:
             LOCAL_SIZE="1",  # keeps DeepSpeed's shared-memory comm op (a JIT build) out of the way
         )
         import deepspeed
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.manual_seed(seed)
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if not cuda:
             # DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU at start (20-45 s of g++),
             # and with it loaded ZeRO-3 runs sometimes aborted at exit; gloo alone is enough here.
             # (importlib: the package attribute deepspeed.comm.torch is PyTorch itself, not the submodule)
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-        self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
-        self.algorithm = algorithm
-        self.method = get_method(algorithm["name"])
-        self.engine = self._engine(
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), learner, dtype
-        )
-        self.critic = None
-        if self.method.needs_critic:
-            critic_cfg = algorithm["critic"]
-            value_model = build_value_model(critic_cfg["path"] or model_path, critic_cfg["init"], seed)
-            self.critic = self._engine(value_model, {**learner, "lr": critic_cfg["lr"]}, dtype)
-        self.reference = None
-        if algorithm["kl"]["placement"] != "none":
-            ref_path = algorithm["kl"]["reference_path"] or model_path
-            dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-            self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(self.device).eval()
-            self.reference.requires_grad_(False)
-        self.objective = build_objective(algorithm)
-        self.zero_stage = learner["zero_stage"]
-        # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
-        attention = getattr(self.engine.module.config, "_attn_implementation", "sdpa")
-        self.mask_dtype = (
-            torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-        )
-        self.row_tokens = learner["pack_row_tokens"]
-        print(
-            f"[learner {self.rank}/{self.world_size}] ready: {algorithm['name']}, ZeRO-{self.zero_stage}, {dtype}"
-            f"{', critic' if self.critic else ''}{', reference' if self.reference else ''}",
-            flush=True,
-        )
-        import ray
-
-        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def _engine(self, model, learner: dict[str, Any], dtype: str):
         import deepspeed
@@ -132,26 +152,34 @@ class LearnerWorker:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(learner, dtype))
         return engine
 
+    def _pack(self, micro_batch):
+        """Pack a micro-batch into rows (an empty one becomes a zero-weight dummy: every rank
+        must run the same number of passes for ZeRO's collectives)."""
+        return pack_sequences(micro_batch, self.pad_id, self.device, self.mask_dtype, self.row_tokens)
+
     def _forward_logprobs(self, micro_batch, with_entropy: bool = False):
-        """Pack the micro-batch into one row (an empty one becomes a zero-weight dummy: every
-        rank must run the same number of passes for ZeRO's collectives) and read out the
-        completion tokens' log-probs ``[n, T]``."""
-        batch = pack_sequences(micro_batch, self.pad_id, self.device, self.mask_dtype, self.row_tokens)
+        """The policy's log-probs of the completion tokens ``[n, T]`` (and entropy if asked)."""
+        batch = self._pack(micro_batch)
         logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
         return batch, packed_completion_logprobs(logits, batch, with_entropy=with_entropy)
 
     def score(self, shard: LearnerShard) -> list[dict[str, list[float]]]:
-        """Before any update: per sequence, the log-probs under the current policy (the old
-        policy of this batch), the reference log-probs and the critic's values, as needed."""
+        """Before any update: per sequence, what this process's roles give: the log-probs under
+        the current policy (the old policy of this batch), the reference log-probs, the critic's values."""
         import torch
 
         out: list[dict[str, list[float]]] = []
-        self.engine.eval()
+        for model in (self.engine, self.critic):
+            if model is not None:
+                model.eval()
         with torch.no_grad():
             for mb in shard.minibatches:
                 for micro in mb.micro_batches:
-                    batch, old = self._forward_logprobs(micro)
-                    fields = {"old_logprobs": old}
+                    batch = self._pack(micro)
+                    fields = {}
+                    if self.engine is not None:
+                        logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
+                        fields["old_logprobs"] = packed_completion_logprobs(logits, batch)
                     if self.reference is not None:
                         ref_logits = self.reference(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep())
                         fields["ref_logprobs"] = packed_completion_logprobs(ref_logits.logits, batch)
@@ -164,35 +192,40 @@ class LearnerWorker:
 
     def train_step(self, shard: LearnerShard) -> dict[str, float]:
         """Every epoch, every minibatch: forward/backward its micro-batches, one optimizer step
-        (and one critic step for PPO). Returns token-weighted mean metrics; ``loss`` is this
-        rank's share of the global loss (summed over minibatches and epochs)."""
+        (of the policy and/or the critic, whichever this process holds). Returns token-weighted
+        mean metrics; ``loss`` is this rank's share of the global policy loss (summed over
+        minibatches and epochs)."""
         start = time.monotonic()
-        self.engine.train()
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"loss": 0.0}
         tokens = 0
         for _ in range(shard.epochs):
             for mb in shard.minibatches:
                 for micro in mb.micro_batches:
-                    batch, (learner_logprobs, entropy) = self._forward_logprobs(micro, with_entropy=True)
-                    loss, metrics = self.objective(learner_logprobs, batch, mb, shard.kl_beta)
-                    # DeepSpeed averages gradients over ranks; the loss is already a share of the
-                    # global sum, so scale by world size to make the reduced gradient the global one.
-                    self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                    metrics = {}
+                    if self.engine is not None:
+                        self.engine.train()
+                        batch, (learner_logprobs, entropy) = self._forward_logprobs(micro, with_entropy=True)
+                        loss, metrics = self.objective(learner_logprobs, batch, mb, shard.kl_beta)
+                        # DeepSpeed averages gradients over ranks; the loss is already a share of the
+                        # global sum, so scale by world size to make the reduced gradient the global one.
+                        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                        metrics["entropy"] = entropy.sum() / max(float(batch.completion_mask.sum()), 1.0)
+                        totals["loss"] += float(loss.detach())
+                    else:
+                        batch = self._pack(micro)
                     n = float(batch.completion_mask.sum())
                     tokens += int(n)
-                    metrics["entropy"] = entropy.sum() / max(n, 1.0)
                     if self.critic is not None:
                         metrics.update(self._critic_backward(batch, mb))
-                    totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                     for key, value in metrics.items():  # token-weighted, summed across micro-batches
                         totals[key] = totals.get(key, 0.0) + float(value) * n
-                self.engine.step()
-                if self.critic is not None:
-                    self.critic.step()
+                for model in (self.engine, self.critic):
+                    if model is not None:
+                        model.step()
         out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
         out["tokens"] = tokens / shard.epochs
         out["seconds"] = time.monotonic() - start
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if self.engine is not None else None
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         return out

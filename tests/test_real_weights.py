@@ -20,15 +20,19 @@ from tests.fakes import make_sequence
 pytestmark = pytest.mark.slow
 
 
-def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["tp1", "tp2"])
+def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path, tensor_parallel):
+    """tp2: the engine shards the model over two worker processes (one core each on CPU);
+    the pushed weights reach both shards through vLLM's own loader."""
     ray = ray_session
     from actors.generation import GenerationActor
     from learner.worker import LearnerWorker
 
-    engine = EngineConfig().model_dump()
+    engine = {**EngineConfig().model_dump(), "tensor_parallel_size": tensor_parallel}
+    placement = {"num_cpus": 1, "num_gpus": 0, "tensor_parallel": tensor_parallel}
     actor = (
         ray.remote(GenerationActor)
-        .options(**generation_actor_options({"num_cpus": 1, "num_gpus": 0}, 0, engine))
+        .options(**generation_actor_options(placement, 0, engine))
         .remote(
             "actor-0",
             tiny_model_dir,
@@ -48,7 +52,7 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path):
     )
     addr, port = ray.get(worker.rendezvous_address.remote())
     ray.get(worker.setup.remote(addr, port, tiny_model_dir, learner_cfg, AlgorithmConfig().model_dump(), "float32", 0))
-    ray.get(actor.ready.remote())
+    assert ray.get(actor.ready.remote())["tensor_parallel"] == tensor_parallel
 
     rng = random.Random(0)
     probe = make_sequence(rng, prompt_len=5, completion_len=6)
