@@ -102,6 +102,22 @@ def _unreachable(url: str, exc: BaseException) -> str:
     )
 
 
+def _use_auth_token_if_any() -> None:
+    """Send this machine's Ray auth token, as ``ray.init(address=...)`` does when ``RAY_AUTH_MODE`` is unset.
+
+    ``ray start`` turns on token auth when a token exists (``~/.ray/auth_token``, written by any earlier
+    local ``ray.init()``), but Ray's ``JobSubmissionClient`` sends the token only when ``RAY_AUTH_MODE=token``
+    is set: without this, submitting to a cluster started on the same machine is refused with a 401.
+    """
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token auth
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def build_job(config_path: str, overrides: list[str], working_dir: str) -> tuple[str, dict[str, Any]]:
     """The Ray job: (entrypoint, runtime_env). The config travels inside the working directory.
 
@@ -138,12 +154,16 @@ def submit(
     entrypoint, runtime_env = build_job(config_path, overrides, working_dir)
     url = dashboard_url(address)
     _probe(url)
+    from ray.exceptions import RayError
     from ray.job_submission import JobSubmissionClient
 
+    _use_auth_token_if_any()
     try:
         client = JobSubmissionClient(url)
     except (ConnectionError, RuntimeError) as exc:
         raise SubmitError(_unreachable(url, exc)) from None
+    except RayError as exc:  # AuthenticationError: a missing or wrong token, Ray's message says where to put it
+        raise SubmitError(f"the Ray job server at {url} refused the request: {exc}") from None
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
     print(f"submitted job {job_id} to {url}: {entrypoint}", flush=True)
     if not follow:
