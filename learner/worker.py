@@ -116,7 +116,8 @@ class LearnerWorker:
         )
         self.row_tokens = learner["pack_row_tokens"]
         print(
-            f"[learner {self.rank}/{self.world_size}] ready: {'+'.join(self.roles)}, {algorithm['name']}, "
+            f"[{'learner' if self.engine else self.roles[0]} {self.rank}/{self.world_size}] ready: "
+            f"{'+'.join(self.roles)}, {algorithm['name']}, "
             f"ZeRO-{self.zero_stage}, {dtype}",
             flush=True,
         )

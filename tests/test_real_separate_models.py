@@ -66,3 +66,39 @@ def test_separate_critic_and_reference_match_colocated(ray_session, tiny_model_d
     # step 2's policy moved away from the reference: the KL term is live, not trivially zero
     assert apart[1]["kl_ref_mean"] > 0
     assert max(float((w_c[k] - w_s[k]).abs().max()) for k in w_c) < 1e-6
+
+
+def test_a_run_with_every_model_on_its_own_process(tmp_path, tiny_model_dir, capsys):
+    """``tandem train``: PPO with a KL reward, the critic and the reference placed separately,
+    and an in-flight actor whose engine is tensor parallel over two cores."""
+    import json
+    from pathlib import Path
+
+    from launch.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "ppo.yaml"
+    code = main(
+        [
+            "train",
+            "--config",
+            str(config),
+            f"model.path={tiny_model_dir}",
+            "model.build_tiny=false",
+            "run.steps=3",
+            "rollout.prompts_per_step=8",
+            "rollout.weight_update=inflight",
+            "resources.actors.tensor_parallel=2",
+            "resources.critic.placement=separate",
+            "resources.reference.placement=separate",
+            f"run.output_dir={tmp_path}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    root = next(tmp_path.iterdir())
+    summary = json.loads(root.joinpath("summary.json").read_text())
+    assert summary["steps"] == 3
+    assert {"actor-0", "learner-0", "critic-0", "reference-0"} <= set(summary["placement"])
+    metrics = [json.loads(line) for line in root.joinpath("metrics.jsonl").read_text().splitlines()]
+    assert all("learner/critic_value_mean" in m and "learner/kl_ref_mean" in m for m in metrics), metrics[0].keys()
+    assert "tensor parallel 2" in root.joinpath("logs", "actor-0.log").read_text()
