@@ -71,7 +71,7 @@ class AsyncGenerationActor:
             )
             self.tensor_parallel = self.engine.vllm_config.parallel_config.tensor_parallel_size
             print(
-                f"[{self.name}] async engine ready ({self.model_path}, {self.dtype}, "
+                f"[{self.name}] async engine ready (pid {os.getpid()}, {self.model_path}, {self.dtype}, "
                 f"tensor parallel {self.tensor_parallel})",
                 flush=True,
             )

@@ -98,7 +98,10 @@ class GenerationActor:
         self.weight_wait_s = 0.0  # time spent waiting for / loading weights
         self._unreported_wait_s = 0.0
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
-        print(f"[{name}] engine ready ({model_path}, {dtype}, tensor parallel {self.tensor_parallel})", flush=True)
+        print(
+            f"[{name}] engine ready (pid {os.getpid()}, {model_path}, {dtype}, tensor parallel {self.tensor_parallel})",
+            flush=True,
+        )
 
     def ready(self) -> dict[str, Any]:
         import ray

@@ -375,9 +375,12 @@ class DistPublisher:
         silent = [r for r in missing if after[r] == before[r]]
         beating = [r for r in missing if r not in silent]
         parts = [f"weight push v{version} failed after {elapsed:.1f}s (deadline {self.timeout_s:.0f}s):"]
+        # well before the deadline, the transport itself failed: a peer's connection closed
+        timed_out = elapsed + 0.1 >= self.timeout_s
+        how = f"did not acknowledge within {self.timeout_s:.0f}s" if timed_out else "dropped out"
         for r in silent:
             parts.append(
-                f"receiver {self._names[r]} (rank {r}) did not acknowledge within {self.timeout_s:.0f}s "
+                f"receiver {self._names[r]} (rank {r}) {how} "
                 f"and sent no heartbeat for {window:.1f}s (dead or stalled); check its log."
             )
         if beating:

@@ -50,6 +50,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def _message(exc: BaseException) -> str:
+    """The error's own line. Raised inside a Ray actor, it arrives wrapped in a ``RayTaskError``
+    whose text is the remote traceback; ``cause`` is the original exception."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc)
+
+
 def reward_summary(metrics_path: Path) -> dict[str, float]:
     """Mean reward over the first and last 10% of steps."""
     rewards = [json.loads(line)["reward_mean"] for line in metrics_path.read_text().splitlines() if line.strip()]
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
         return run_training(config, args.overrides + address)
     except _user_errors() as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
+        print(f"tandem: error: {_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import time
 
@@ -194,7 +195,11 @@ def test_push_to_a_dead_or_stalled_receiver_fails_within_the_deadline_naming_it(
         assert elapsed < deadline_s + 3  # the deadline, plus a 1 s look at the heartbeats
         assert failure.value.receivers == ["actor-1"]
         assert "weight push v2 failed" in message
-        assert "receiver actor-1 (rank 1) did not acknowledge within 2s" in message and "dead or stalled" in message
+        # stalled: the deadline passes; dead: its closed connection may end the push sooner
+        how = "did not acknowledge within 2s"
+        how = how if sig == signal.SIGSTOP else f"({how}|dropped out)"
+        assert re.search(rf"receiver actor-1 \(rank 1\) {how} and sent no heartbeat", message), message
+        assert "dead or stalled" in message
         assert "actor-2 (rank 2) did not" not in message  # alive: never blamed
         start = time.monotonic()
         with pytest.raises(WeightPushError, match="unusable"):  # later pushes fail at once, no hang
