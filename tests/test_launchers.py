@@ -119,7 +119,7 @@ def _stubs(tmp_path: Path, nodes_up: int, tandem_rc: int) -> dict[str, str]:
         "srun": 'echo "srun $*" >> "$LOG"; [[ " $* " == *" hostname "* ]] && echo "10.0.0.1 fe80::1"; exit 0',
         "ray": 'echo "ray $*" >> "$LOG"',
         "python3": f"echo {nodes_up}",  # the node count the wait loop polls
-        "tandem": f'printf "%s\\n" "$@" > "$ARGS"; exit {tandem_rc}',
+        "tandem": f'echo "tandem" >> "$LOG"; printf "%s\\n" "$@" > "$ARGS"; exit {tandem_rc}',
         "sleep": "exit 0",
     }
     for name, body in stubs.items():
@@ -139,17 +139,19 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     env = _stubs(tmp_path, nodes_up=3, tandem_rc=3)
     done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 3, done.stderr  # tandem's exit status is the job's
-    log = (tmp_path / "log").read_text().splitlines()
-    assert (
+    expected = [
         "srun --nodes=1 --ntasks=1 -w n1 ray start --head --node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 "
-        "--num-gpus=2 --block" in log
-    )
-    for worker in ("n2", "n3"):
-        assert (
-            f"srun --nodes=1 --ntasks=1 -w {worker} ray start --address=10.0.0.1:6379 --num-cpus=4 "
-            "--num-gpus=2 --block" in log
-        )
-    assert log[-1] == "ray stop --force"  # the EXIT trap
+        "--num-gpus=2 --block"
+    ] + [
+        f"srun --nodes=1 --ntasks=1 -w {worker} ray start --address=10.0.0.1:6379 --num-cpus=4 --num-gpus=2 --block"
+        for worker in ("n2", "n3")
+    ]
+    # the head and workers run in the background: their stubs may log after the script ends
+    deadline = time.monotonic() + 10
+    while not set(expected) <= set(log := (tmp_path / "log").read_text().splitlines()):
+        assert time.monotonic() < deadline, log
+        time.sleep(0.05)
+    assert log.index("ray stop --force") > log.index("tandem")  # the EXIT trap, after training
     args = (tmp_path / "args").read_text().splitlines()
     assert args == ["train", "--config", "configs/my grpo.yaml", "resources.address=10.0.0.1:6379", *OVERRIDES]
     assert not (tmp_path / "pwned").exists()
