@@ -163,7 +163,11 @@ def plan_bundles(resources: dict[str, Any]) -> list[tuple[str, dict[str, float]]
 def describe_plan(resources: dict[str, Any], nodes: list[dict] | None = None) -> str:
     """The placement as text: one line per process, totals, and the cluster's nodes if known."""
     lines = [f"placement group: strategy {resources['strategy']}, {len(plan_bundles(resources))} bundles"]
-    lines += [f"  {name:<12} {_fmt(b)}" for name, b in plan_bundles(resources)]
+    tp = resources["actors"].get("tensor_parallel", 1)
+    shards = f"  (vLLM tensor parallel {tp})" if tp > 1 else ""
+    lines += [
+        f"  {name:<12} {_fmt(b)}{shards if name.startswith('actor-') else ''}" for name, b in plan_bundles(resources)
+    ]
     lines.append(f"  {'total':<12} {_fmt(required_resources(resources))}")
     if nodes is not None:
         lines.append(f"cluster: {len(nodes)} node(s)")
