@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from actors.generation import engine_kwargs, redirect_output
+from actors.policy_clock import PolicyClock
 from actors.rewards import load_reward_function
 from actors.scoring import GroupBuilder, Sample
 from queues.messages import PromptRequest
@@ -49,10 +50,7 @@ class AsyncGenerationActor:
         self.dtype, self.seed = dtype, seed
         self.reward_function, self.step_delimiter = reward_function, step_delimiter
         self.engine = None
-        self.version = 0
-        self.weight_loads = 0
-        self.weight_wait_s = 0.0
-        self._unreported_wait_s = 0.0
+        self.policy = PolicyClock()
         self._update_lock = asyncio.Lock()
 
     async def ready(self) -> dict[str, Any]:
@@ -80,7 +78,7 @@ class AsyncGenerationActor:
         return {
             "name": self.name,
             "pid": os.getpid(),
-            "version": self.version,
+            "version": self.policy.version,
             "node": ray.get_runtime_context().get_node_id(),
             "tensor_parallel": self.tensor_parallel,
         }
@@ -95,26 +93,19 @@ class AsyncGenerationActor:
             try:
                 await self.engine.collective_rpc("load_weights_blob", args=(blob,))
                 await self.engine.reset_prefix_cache()
-                self.version = version
+                self.policy.loaded(version)
             finally:
                 await self.engine.resume_generation()
-            self.weight_loads += 1
         return version
 
     async def sync_weights(self, channel, min_version: int, timeout: float, mode: str = "keep") -> None:
         start = time.monotonic()
         latest = await asyncio.to_thread(channel.latest_version)  # a blocking ray.get: off the event loop
-        if latest > self.version or min_version > self.version:
+        if self.policy.wants(latest, min_version):
             version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)
-            if version > self.version:
+            if version > self.policy.version:
                 await self.load_weights(named, version, mode)
-        self.weight_wait_s += time.monotonic() - start
-        self._unreported_wait_s += time.monotonic() - start
-
-    def _take_wait(self) -> float:
-        """Weight wait since the last pushed group (reported with the next one)."""
-        wait, self._unreported_wait_s = self._unreported_wait_s, 0.0
-        return wait
+        self.policy.waited(time.monotonic() - start)
 
     # --- generation ----------------------------------------------------------------
     async def _sample(self, prompt: str) -> Sample:
@@ -140,7 +131,7 @@ class AsyncGenerationActor:
             new = list(delta.token_ids)
             ids += new
             logprobs += [step[tok].logprob for tok, step in zip(new, delta.logprobs or [])]
-            versions += [self.version] * len(new)  # the weights loaded while these tokens were sampled
+            versions += [self.policy.version] * len(new)  # the weights loaded while these tokens were sampled
             if out.finished:
                 finish = "length" if delta.finish_reason == "length" else "stop"
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -170,7 +161,7 @@ class AsyncGenerationActor:
         inflight: set[asyncio.Task] = set()
         done_groups = 0
         while not await asyncio.to_thread(channel.is_closed):
-            await self.sync_weights(channel, self.version, timeouts["weights_s"])  # newest weights, no waiting
+            await self.sync_weights(channel, self.policy.version, timeouts["weights_s"])  # newest weights, no waiting
             room = cap - len(inflight)
             requests = await prompt_queue.get_batch_async(room, timeout=0.05) if room > 0 else []
             for request in requests:
@@ -182,13 +173,13 @@ class AsyncGenerationActor:
             for task in finished:
                 inflight.discard(task)
                 group = task.result()
-                group.weight_wait_s = self._take_wait()
+                group.weight_wait_s = self.policy.take_wait()
                 await results_queue.put_many_async([group], timeout=timeouts["data_s"])
                 done_groups += 1
         for task in inflight:
             task.cancel()
         self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
-        return {"name": self.name, "groups": done_groups, "weight_loads": self.weight_loads}
+        return {"name": self.name, "groups": done_groups, "weight_loads": self.policy.loads}
 
     def stats(self) -> dict[str, float]:
-        return {"version": self.version, "weight_loads": self.weight_loads, "weight_wait_s": self.weight_wait_s}
+        return self.policy.stats()

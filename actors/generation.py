@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from actors.policy_clock import PolicyClock
 from actors.rewards import load_reward_function
 from actors.scoring import GroupBuilder, Sample
 from queues.messages import PromptRequest, TrajectoryGroup
@@ -93,10 +94,7 @@ class GenerationActor:
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             step_delimiter,
         )
-        self.version = 0  # policy version of the weights now loaded
-        self.weight_loads = 0
-        self.weight_wait_s = 0.0  # time spent waiting for / loading weights
-        self._unreported_wait_s = 0.0
+        self.policy = PolicyClock()
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         print(
             f"[{name}] engine ready (pid {os.getpid()}, {model_path}, {dtype}, tensor parallel {self.tensor_parallel})",
@@ -109,7 +107,7 @@ class GenerationActor:
         return {
             "name": self.name,
             "pid": os.getpid(),
-            "version": self.version,
+            "version": self.policy.version,
             "node": ray.get_runtime_context().get_node_id(),
             "tensor_parallel": self.tensor_parallel,
         }
@@ -119,25 +117,17 @@ class GenerationActor:
         """Load ``(name, tensor)`` pairs as policy ``version``; returns the version."""
         self.llm.collective_rpc("load_named_weights", args=(named_tensors,))
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
-        self.version = version
-        self.weight_loads += 1
+        self.policy.loaded(version)
         return version
 
     def sync_weights(self, channel, min_version: int, timeout: float) -> None:
         """Load the newest published weights; wait (up to ``timeout``) until version >= ``min_version``."""
         start = time.monotonic()
-        latest = channel.latest_version()
-        if latest > self.version or min_version > self.version:
+        if self.policy.wants(channel.latest_version(), min_version):
             version, named = channel.fetch(min_version, timeout)
-            if version > self.version:
+            if version > self.policy.version:
                 self.load_weights(named, version)
-        self.weight_wait_s += time.monotonic() - start
-        self._unreported_wait_s += time.monotonic() - start
-
-    def _take_wait(self) -> float:
-        """Weight wait since the last pushed group (reported with the next one)."""
-        wait, self._unreported_wait_s = self._unreported_wait_s, 0.0
-        return wait
+        self.policy.waited(time.monotonic() - start)
 
     # --- generation ----------------------------------------------------------------
     def sampling_params(self, prompt_id: int, n: int):
@@ -172,7 +162,7 @@ class GenerationActor:
                     prompt_token_ids=list(output.prompt_token_ids),
                     token_ids=ids,
                     logprobs=[step[tok].logprob for tok, step in zip(ids, completion.logprobs)],
-                    versions=[self.version] * len(ids),
+                    versions=[self.policy.version] * len(ids),
                     finish_reason="length" if completion.finish_reason == "length" else "stop",
                     text=completion.text,
                 )
@@ -201,10 +191,10 @@ class GenerationActor:
                 continue
             self.sync_weights(channel, max(r.min_version for r in requests), timeouts["weights_s"])
             groups = self.generate(requests)
-            groups[0].weight_wait_s = self._take_wait()
+            groups[0].weight_wait_s = self.policy.take_wait()
             results_queue.put_many(groups, timeout=timeouts["data_s"])
             groups_done += len(groups)
-        return {"name": self.name, "groups": groups_done, "weight_loads": self.weight_loads}
+        return {"name": self.name, "groups": groups_done, "weight_loads": self.policy.loads}
 
     def stats(self) -> dict[str, float]:
-        return {"version": self.version, "weight_loads": self.weight_loads, "weight_wait_s": self.weight_wait_s}
+        return self.policy.stats()

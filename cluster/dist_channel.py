@@ -18,28 +18,25 @@ One push, all keys in the publisher's TCPStore:
 Receivers also register once (``join/<rank>`` = their name) and beat (``hb/<rank>`` += 1 every
 ``heartbeat_s``, from their own thread), so a push that fails or misses its deadline names
 the receivers that never acknowledged and says which of them stopped beating (dead or
-stalled). Buckets are raw bytes, so tensors of any dtype share one; a tensor larger than a
-bucket is sent alone, straight from its own memory. Round trips are bit-exact.
+stalled). The bytes of a push, its buckets and header, are laid out by ``cluster/buckets.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from cluster.weights import NamedTensors, WeightsTimeout
+from cluster.buckets import DEFAULT_BUCKET_BYTES, PushHeader, lone_tensor, pack_bucket, plan_buckets, unpack
+from cluster.weights import NamedTensors, NewestWeights, WeightsTimeout
 
-ALIGN = 64  # byte alignment of every tensor inside a bucket (any dtype can view it)
-DEFAULT_BUCKET_BYTES = 64 << 20
 _POLL_S = 0.005  # how often an idle receiver looks for the next push (a store round trip)
 
 
@@ -49,38 +46,6 @@ class WeightPushError(RuntimeError):
     def __init__(self, message: str, receivers: list[str] | None = None):
         super().__init__(message)
         self.receivers = receivers or []
-
-
-# --- what crosses the wire ---------------------------------------------------------------
-@dataclass
-class TensorSlot:
-    """Where one tensor's bytes sit in the push."""
-
-    name: str  # Hugging Face parameter name
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    shape: list[int]  # the tensor's shape
-    bucket: int  # index of the bucket holding its bytes
-    offset: int  # byte offset inside that bucket (a multiple of ALIGN)
-    nbytes: int  # numel * element size
-
-
-@dataclass
-class PushHeader:
-    """Sent through the store before the buckets, so receivers can allocate and unpack them."""
-
-    version: int  # policy version of these weights
-    bucket_bytes: list[int]  # size of each broadcast bucket, in broadcast order
-    slots: list[TensorSlot]  # one per tensor, in the publisher's order
-    closed: bool = False  # True: the publisher closed the channel; no buckets follow
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str | bytes) -> PushHeader:
-        raw = json.loads(text)
-        raw["slots"] = [TensorSlot(**s) for s in raw["slots"]]
-        return PushHeader(**raw)
 
 
 @dataclass(frozen=True)
@@ -110,66 +75,6 @@ class DistChannelSpec:
     def handle(self, rank: int, name: str) -> DistReceiverHandle:
         """A picklable stand-in for the receiver that joins on first use inside the actor."""
         return DistReceiverHandle(self, rank, name)
-
-
-# --- buckets ---------------------------------------------------------------------------------
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"weight push header names an unknown dtype {name!r}")
-    return dtype
-
-
-def plan_buckets(named: NamedTensors, bucket_bytes: int) -> tuple[list[int], list[TensorSlot]]:
-    """Whole tensors, in order, each at an ALIGN-ed offset; a bucket closes when the next tensor
-    would overflow it, so a tensor larger than ``bucket_bytes`` gets a bucket of its own."""
-    sizes: list[int] = []
-    slots = []
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        offset = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0  # round up to ALIGN
-        if not sizes or (sizes[-1] > 0 and offset + nbytes > bucket_bytes):
-            sizes.append(0)
-            offset = 0
-        slots.append(
-            TensorSlot(name, str(t.dtype).removeprefix("torch."), list(t.shape), len(sizes) - 1, offset, nbytes)
-        )
-        sizes[-1] = offset + nbytes
-    return sizes, slots
-
-
-def pack_bucket(
-    named: NamedTensors, header: PushHeader, bucket: int, device: str = "cpu", out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The bytes of one bucket (uint8), packed into ``out`` when it fits. A bucket holding one
-    contiguous tensor is that tensor's own memory, not a copy."""
-    lone = _lone_tensor(named, header, bucket, device)
-    if lone is not None:
-        return lone
-    size = header.bucket_bytes[bucket]
-    reuse = out is not None and out.numel() == size and out.device.type == device
-    flat = out if reuse else torch.empty(size, dtype=torch.uint8, device=device)
-    for slot, (_, t) in zip(header.slots, named, strict=True):
-        if slot.bucket != bucket:
-            continue
-        flat[slot.offset : slot.offset + slot.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-    return flat
-
-
-def _lone_tensor(named: NamedTensors, header: PushHeader, bucket: int, device: str) -> torch.Tensor | None:
-    """The bytes of the bucket's only tensor, when it can be sent from where it lies."""
-    inside = [t for slot, (_, t) in zip(header.slots, named, strict=True) if slot.bucket == bucket]
-    if len(inside) == 1 and inside[0].is_contiguous() and inside[0].device.type == device:
-        return inside[0].reshape(-1).view(torch.uint8)
-    return None
-
-
-def unpack(header: PushHeader, buckets: list[torch.Tensor]) -> NamedTensors:
-    """(name, tensor) views into the received buckets, with the publisher's dtypes and shapes."""
-    return [
-        (s.name, buckets[s.bucket][s.offset : s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape))
-        for s in header.slots
-    ]
 
 
 # --- the group -----------------------------------------------------------------------------
@@ -354,7 +259,7 @@ class DistPublisher:
         previous push's pack buffers: fresh ones would page-fault on every push."""
         device = _device(self.backend)
         for b in range(len(header.bucket_bytes)):
-            lone = _lone_tensor(weights, header, b, device)
+            lone = lone_tensor(weights, header, b, device)
             if lone is not None:
                 yield lone
                 continue
@@ -441,38 +346,34 @@ class DistReceiver:
         self.host, self.port, self.rank, self.world_size, self.name = host, port, rank, world_size, name
         self.timeout_s, self.connect_timeout_s, self.backend = timeout_s, connect_timeout_s, backend
         self.heartbeat_s = heartbeat_s
-        self._version, self._weights = 0, None
+        self._newest = NewestWeights()  # the newest push; closed / error: no more will arrive
         self._spare: list[torch.Tensor] | None = None  # pre-faulted buffers for the next push (CPU)
-        self._closed = False  # the publisher closed the channel
-        self._error: str | None = None  # why no more pushes will arrive
         self._connected = threading.Event()
-        self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"weight-receiver-{name}", daemon=True)
         self._thread.start()
 
     # --- the interface the actors use ----------------------------------------------------
     def latest_version(self) -> int:
-        return self._version
+        return self._newest.version
 
     def is_closed(self) -> bool:
-        return self._closed
+        return self._newest.closed
 
     def fetch(self, min_version: int, timeout: float) -> tuple[int, NamedTensors | None]:
         """Newest (version, weights) once version >= ``min_version``; version 0 means the initial weights."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._version >= min_version or self._closed or self._error, timeout)
-            if self._version >= min_version:
-                return self._version, self._weights
-            why = self._error or (
-                "the publisher closed the channel"
-                if self._closed
-                else "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
-            )
-            raise WeightsTimeout(
-                f"{self.name}: waited up to {timeout:.0f}s for policy version {min_version}, newest received is "
-                f"{self._version} (publisher {self.host}:{self.port}); {why}"
-            )
+        got = self._newest.wait(min_version, timeout)
+        if got is not None:
+            return got
+        why = self._newest.error or (
+            "the publisher closed the channel"
+            if self._newest.closed
+            else "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
+        )
+        raise WeightsTimeout(
+            f"{self.name}: waited up to {timeout:.0f}s for policy version {min_version}, newest received is "
+            f"{self._newest.version} (publisher {self.host}:{self.port}); {why}"
+        )
 
     def wait_connected(self, timeout: float) -> bool:
         """True once this receiver is in the group (for tests and start-up checks)."""
@@ -510,18 +411,14 @@ class DistReceiver:
                     # Tear the group down in this thread before is_closed() lets the process exit:
                     # its threads destroyed mid-teardown at exit abort the process.
                     group = None
-                    with self._changed:
-                        self._closed = True
-                        self._changed.notify_all()
+                    self._newest.end()
                     return
                 phase = f"receiving weight push v{header.version} from the {where}"
                 buffers = self._buffers(header.bucket_bytes)
                 _broadcast_all(group, buffers, time.monotonic() + self.timeout_s)
                 weights = unpack(header, buffers)
                 store.set(f"push/{seq}/ack/{self.rank}", "1")
-                with self._changed:
-                    self._version, self._weights = header.version, weights
-                    self._changed.notify_all()
+                self._newest.offer(header.version, weights)
                 seq += 1
                 if self.backend == "gloo":
                     # Fresh CPU memory page-faults while the bytes arrive (measured: half the push
@@ -543,16 +440,14 @@ class DistReceiver:
         """Heartbeats from their own thread and store connection: they continue while a push is received."""
         try:
             store = dist.TCPStore(self.host, self.port, None, False, timedelta(seconds=self.connect_timeout_s))
-            while not self._stop.is_set() and not self._closed:  # beats on after a failed push: alive
+            while not self._stop.is_set() and not self._newest.closed:  # beats on after a failed push: alive
                 store.add(f"hb/{self.rank}", 1)
                 self._stop.wait(self.heartbeat_s)
         except Exception:
             return  # the receive thread reports what went wrong
 
     def _set_error(self, message: str) -> None:
-        with self._changed:
-            self._error = message
-            self._changed.notify_all()
+        self._newest.end(error=message)
 
 
 class DistReceiverHandle:

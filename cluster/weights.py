@@ -62,6 +62,39 @@ class WeightsTimeout(TimeoutError):
     """No weights of the required version arrived within the deadline."""
 
 
+class NewestWeights:
+    """The receiving side of every in-process channel: the newest (version, weights) seen, whether
+    the channel has ended (closed, or failed with a reason), and a wait for a minimum version
+    that returns within its deadline whatever happens."""
+
+    def __init__(self):
+        self.version, self.weights = 0, None
+        self.closed = False
+        self.error: str | None = None  # why no more versions will arrive
+        self._changed = threading.Condition()
+
+    def offer(self, version: int, weights: Any) -> None:
+        """Keep ``weights`` if ``version`` is newer than what is held (an older one never replaces it)."""
+        with self._changed:
+            if version > self.version:
+                self.version, self.weights = version, weights
+                self._changed.notify_all()
+
+    def end(self, error: str | None = None) -> None:
+        """No more versions: closed by the publisher, or (``error``) failed."""
+        with self._changed:
+            self.closed = self.closed or error is None
+            self.error = self.error or error
+            self._changed.notify_all()
+
+    def wait(self, min_version: int, timeout: float) -> tuple[int, Any] | None:
+        """(version, weights) once version >= ``min_version``; None if the deadline passes or the
+        channel ends first (the caller explains which, from ``closed`` / ``error``)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.version >= min_version or self.closed or self.error, timeout)
+            return (self.version, self.weights) if self.version >= min_version else None
+
+
 class _WeightStore:
     """Ray actor state: the newest version and a reference to its weights."""
 
@@ -136,35 +169,27 @@ class LocalWeightChannel:
     """The same channel inside one process."""
 
     def __init__(self):
-        self._version, self._weights, self._closed = 0, None, False
-        self._changed = threading.Condition()
+        self._newest = NewestWeights()
 
     def publish(self, version: int, weights: NamedTensors) -> None:
-        with self._changed:
-            if version > self._version:
-                self._version, self._weights = version, weights
-                self._changed.notify_all()
+        self._newest.offer(version, weights)
 
     def latest_version(self) -> int:
-        return self._version
+        return self._newest.version
 
     def is_closed(self) -> bool:
-        return self._closed
+        return self._newest.closed
 
     def fetch(self, min_version: int, timeout: float) -> tuple[int, NamedTensors | None]:
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._version >= min_version or self._closed, timeout) or (
-                self._version < min_version
-            ):
-                raise WeightsTimeout(
-                    f"waited {timeout:.0f}s for policy version {min_version}, newest published is {self._version}"
-                )
-            return self._version, self._weights
+        got = self._newest.wait(min_version, timeout)
+        if got is None:
+            raise WeightsTimeout(
+                f"waited {timeout:.0f}s for policy version {min_version}, newest published is {self._newest.version}"
+            )
+        return got
 
     def close(self) -> None:
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
+        self._newest.end()
 
 
 def build_weight_channel(backend: str) -> Any:

@@ -17,15 +17,8 @@ import time
 import pytest
 import torch
 
-from cluster.dist_channel import (
-    DistPublisher,
-    DistReceiver,
-    PushHeader,
-    WeightPushError,
-    pack_bucket,
-    plan_buckets,
-    unpack,
-)
+from cluster.buckets import PushHeader, pack_bucket, plan_buckets, unpack
+from cluster.dist_channel import DistPublisher, DistReceiver, WeightPushError
 from cluster.weights import WeightsTimeout
 
 # Children fork from a server that imported torch once (~2 s here), not from this process (which

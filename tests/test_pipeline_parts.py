@@ -59,6 +59,20 @@ def test_flat_weights_round_trip_every_dtype_and_shape():
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def test_policy_clock_fetches_only_when_needed_and_reports_waits_once():
+    from actors.policy_clock import PolicyClock
+
+    clock = PolicyClock()
+    assert not clock.wants(latest=0, min_version=0)  # nothing new, nothing needed
+    assert clock.wants(latest=1, min_version=0) and clock.wants(latest=0, min_version=1)
+    clock.loaded(2)
+    clock.waited(0.5)
+    clock.waited(0.25)
+    assert not clock.wants(latest=2, min_version=1)
+    assert clock.take_wait() == 0.75 and clock.take_wait() == 0.0  # rides on one group only
+    assert clock.stats() == {"version": 2, "weight_loads": 1, "weight_wait_s": 0.75}
+
+
 def test_pace_admits_within_the_staleness_bound():
     async def go():
         pace = Pace(prompts_per_step=4, max_staleness=1)

@@ -7,56 +7,22 @@ the global gradient norm and the updated weights must all match one rank.
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 import pytest
 
-from launch.build import build_learner_group
 from launch.config import load_config
 from launch.run_dir import RunLog
-from tests.fakes import make_group
+from tests.runs import GROUP_BASE, train_group, varied_batches
 
 pytestmark = pytest.mark.slow
 
 
-def _train_two_steps(ray, cfg, model_path, run, batches):
-    async def go():
-        group = await build_learner_group(cfg, model_path, run)
-        metrics = [await group.train_step(b) for b in batches]
-        weights = ray.get(await group.export_weights()).tensors()
-        for w in group.workers:
-            ray.kill(w)
-        return metrics, dict(weights)
-
-    return asyncio.run(go())
-
-
 def test_two_zero2_ranks_match_one_rank(ray_session, tiny_model_dir, tmp_path):
     ray = ray_session
-    rng = random.Random(0)
-    # 4 prompts x 4 samples with varied rewards and lengths (uneven lengths exercise the global normaliser).
-    batches = [
-        [make_group(p, [rng.random() for _ in range(4)], completion_len=rng.randint(2, 9), seed=s) for p in range(4)]
-        for s in range(2)
-    ]
-    base = [
-        "model.path=x",
-        "data.prompts=x",
-        "reward.function=x",
-        "rollout.prompts_per_step=4",
-        "rollout.group_size=4",
-        "learner.token_budget=24",
-        "learner.zero_stage=2",
-        "learner.lr=0.01",
-    ]
+    batches = varied_batches(seed=0)
+    base = GROUP_BASE + ["learner.token_budget=24", "learner.zero_stage=2"]
     run = RunLog.create(str(tmp_path), "dp", {}, 2)
-    one, w1 = _train_two_steps(
-        ray, load_config(None, base + ["resources.learner.ranks=1"]), tiny_model_dir, run, batches
-    )
-    two, w2 = _train_two_steps(
-        ray, load_config(None, base + ["resources.learner.ranks=2"]), tiny_model_dir, run, batches
-    )
+    _, one, w1 = train_group(ray, load_config(None, base + ["resources.learner.ranks=1"]), tiny_model_dir, run, batches)
+    _, two, w2 = train_group(ray, load_config(None, base + ["resources.learner.ranks=2"]), tiny_model_dir, run, batches)
     for m1, m2 in zip(one, two):
         assert m1["tokens"] == m2["tokens"]
         assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)

@@ -7,36 +7,22 @@ Ray + vLLM + DeepSpeed with the tiny model, the config's own algorithm settings
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from launch.cli import main
+from tests.runs import CONFIGS as CONFIG_DIR
+from tests.runs import read_metrics, read_summary, train
 
 pytestmark = pytest.mark.slow
-CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if p.stem != "demo")
+CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem != "demo")
 STEPS = 60
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_method_config_learns(config, tiny_model_dir, tmp_path, capsys):
-    code = main(
-        [
-            "train",
-            "--config",
-            str(config),
-            f"model.path={tiny_model_dir}",
-            "model.build_tiny=false",
-            f"run.steps={STEPS}",
-            f"run.output_dir={tmp_path}",
-        ]
-    )
+    code = train(config, tiny_model_dir, tmp_path, f"run.steps={STEPS}")
     out = capsys.readouterr().out
     assert code == 0, out
-    run_dir = next(tmp_path.iterdir())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary, metrics = read_summary(tmp_path), read_metrics(tmp_path)
     assert summary["steps"] == STEPS
     # First vs last 10% of the steps (6 each): from ~0.01 for the random model.
     assert summary["reward_gain"] > 0.15, (

@@ -8,15 +8,11 @@ actors to one and learner ranks to the other. A short run joins the cluster with
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from launch.cli import main
+from tests.runs import DEMO, read_summary, train
 
 pytestmark = pytest.mark.slow
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
 def test_actors_and_learner_on_different_nodes(tmp_path, tiny_model_dir, capsys):
@@ -33,24 +29,18 @@ def test_actors_and_learner_on_different_nodes(tmp_path, tiny_model_dir, capsys)
         node_of = {key: n["NodeID"] for n in ray.nodes() for key in n["Resources"] if key.endswith("_node")}
         ray.shutdown()
 
-        code = main(
-            [
-                "train",
-                "--config",
-                str(DEMO),
-                "--address",
-                cluster.address,
-                f"model.path={tiny_model_dir}",
-                "model.build_tiny=false",
-                "run.steps=6",
-                f"run.output_dir={tmp_path}",
-                "resources.actors.custom={rollout_node: 1}",
-                "resources.learner.custom={train_node: 1}",
-            ]
+        code = train(
+            DEMO,
+            tiny_model_dir,
+            tmp_path,
+            f"resources.address={cluster.address}",  # what --address sets
+            "run.steps=6",
+            "resources.actors.custom={rollout_node: 1}",
+            "resources.learner.custom={train_node: 1}",
         )
         out = capsys.readouterr().out
         assert code == 0, out
-        summary = json.loads(next(tmp_path.iterdir()).joinpath("summary.json").read_text())
+        summary = read_summary(tmp_path)
         assert summary["steps"] == 6
         assert summary["placement"]["actor-0"] == node_of["rollout_node"]
         assert summary["placement"]["learner-0"] == node_of["train_node"]
@@ -63,18 +53,7 @@ def test_actors_and_learner_on_different_nodes(tmp_path, tiny_model_dir, capsys)
 
 
 def test_a_plan_that_does_not_fit_is_explained(tmp_path, tiny_model_dir, capsys):
-    code = main(
-        [
-            "train",
-            "--config",
-            str(DEMO),
-            f"model.path={tiny_model_dir}",
-            "model.build_tiny=false",
-            f"run.output_dir={tmp_path}",
-            "resources.local_num_cpus=2",
-            "resources.actors.count=3",
-        ]
-    )
+    code = train(DEMO, tiny_model_dir, tmp_path, "resources.local_num_cpus=2", "resources.actors.count=3")
     err = capsys.readouterr().err
     assert code == 2 and "4 CPUs asked (3 actors x 1 + 1 learner ranks x 1), 2 available" in err
     assert "reduce resources.actors.count" in err

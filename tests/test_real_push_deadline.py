@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
+from tests.runs import DEMO, train
 
 pytestmark = pytest.mark.slow
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 PUSH_TIMEOUT_S = 5
 
 
@@ -45,19 +44,14 @@ def test_a_stalled_or_dead_actor_stops_the_run_naming_it(tmp_path, tiny_model_di
     watcher = threading.Thread(target=_freeze_after_steps, args=(tmp_path, sig, 3, report), daemon=True)
     watcher.start()
     try:
-        code = main(
-            [
-                "train",
-                "--config",
-                str(DEMO),
-                f"model.path={tiny_model_dir}",
-                "model.build_tiny=false",
-                "run.steps=200",  # never reached: the run must fail first
-                "resources.actors.count=2",
-                "weights.backend=distributed",
-                f"weights.push_timeout_s={PUSH_TIMEOUT_S}",
-                f"run.output_dir={tmp_path}",
-            ]
+        code = train(
+            DEMO,
+            tiny_model_dir,
+            tmp_path,
+            "run.steps=200",  # never reached: the run must fail first
+            "resources.actors.count=2",
+            "weights.backend=distributed",
+            f"weights.push_timeout_s={PUSH_TIMEOUT_S}",
         )
         ended_at = time.monotonic()
     finally:

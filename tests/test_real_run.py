@@ -8,16 +8,12 @@ counted while the run went on, and that the run directory holds what it promises
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import yaml
 
-from launch.cli import main
+from tests.runs import DEMO, read_metrics, read_summary, run_dir, train
 
 pytestmark = pytest.mark.slow
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
 @pytest.mark.parametrize(("k", "weight_update"), [(1, "between_requests"), (2, "inflight")])
@@ -33,24 +29,19 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
         "    return task_reward(prompt, completion, row)\n"
     )
     steps = 60
-    code = main(
-        [
-            "train",
-            "--config",
-            str(DEMO),
-            f"model.path={tiny_model_dir}",
-            "model.build_tiny=false",
-            f"reward.function={flaky}:reward",
-            f"run.steps={steps}",
-            f"run.output_dir={tmp_path / 'runs'}",
-            f"run.max_staleness={k}",
-            f"rollout.weight_update={weight_update}",
-        ]
+    runs = tmp_path / "runs"
+    code = train(
+        DEMO,
+        tiny_model_dir,
+        runs,
+        f"reward.function={flaky}:reward",
+        f"run.steps={steps}",
+        f"run.max_staleness={k}",
+        f"rollout.weight_update={weight_update}",
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    run_dir = next((tmp_path / "runs").iterdir())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(runs)
     assert [m["step"] for m in metrics] == list(range(steps))
 
     # Every trained token was generated at most k versions before the step that trained it.
@@ -64,8 +55,8 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
     assert last > first + 0.2, f"reward did not rise: {first:.3f} -> {last:.3f}"
 
     assert sum(m["reward_errors"] for m in metrics) > 0  # the raising prompts were counted ...
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps  # ... and the run went on to the end
-    assert (run_dir / "config.yaml").is_file() and list((run_dir / "tb").iterdir())
-    assert (run_dir / "logs" / "actor-0.log").read_text().count("no reward for prompts ending in 7:") > 0
-    assert "reward" in out and "ETA" in out and str(run_dir) in out
+    assert read_summary(runs)["steps"] == steps  # ... and the run went on to the end
+    root = run_dir(runs)
+    assert (root / "config.yaml").is_file() and list((root / "tb").iterdir())
+    assert (root / "logs" / "actor-0.log").read_text().count("no reward for prompts ending in 7:") > 0
+    assert "reward" in out and "ETA" in out and str(root) in out

@@ -7,36 +7,17 @@ same config give bit-identical rewards, losses, entropies and importance ratios 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from launch.cli import main
+from tests.runs import DEMO, read_metrics, train
 
 pytestmark = pytest.mark.slow
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
 def _run(tmp_path, name, tiny_model_dir, capsys, *extra):
     out = tmp_path / name
-    assert (
-        main(
-            [
-                "train",
-                "--config",
-                str(DEMO),
-                f"model.path={tiny_model_dir}",
-                "model.build_tiny=false",
-                "run.steps=12",
-                "run.max_staleness=0",
-                f"run.output_dir={out}",
-                *extra,
-            ]
-        )
-        == 0
-    ), capsys.readouterr()
-    return [json.loads(line) for line in next(out.iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
+    assert train(DEMO, tiny_model_dir, out, "run.steps=12", "run.max_staleness=0", *extra) == 0, capsys.readouterr()
+    return read_metrics(out)
 
 
 def test_synchronous_mode_is_on_policy_and_reproducible(tmp_path, tiny_model_dir, capsys):

@@ -16,6 +16,7 @@ from cluster.weights import build_weight_channel
 from launch.config import AlgorithmConfig, EngineConfig, LearnerConfig, RolloutConfig
 from learner.group import LearnerGroup, shard_sequences
 from tests.fakes import make_sequence
+from tests.runs import DEMO, read_summary, train
 
 pytestmark = pytest.mark.slow
 
@@ -81,27 +82,9 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path, t
 def test_a_run_over_the_distributed_weight_channel(tmp_path, tiny_model_dir, capsys):
     """weights.backend=distributed: learner rank 0 broadcasts over its own gloo group; every step's
     weights reach the actor (one load per published version) and the run completes."""
-    import json
-    from pathlib import Path
-
-    from launch.cli import main
-
-    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-    code = main(
-        [
-            "train",
-            "--config",
-            str(demo),
-            f"model.path={tiny_model_dir}",
-            "model.build_tiny=false",
-            "run.steps=8",
-            "run.max_staleness=0",
-            "weights.backend=distributed",
-            f"run.output_dir={tmp_path}",
-        ]
-    )
+    code = train(DEMO, tiny_model_dir, tmp_path, "run.steps=8", "run.max_staleness=0", "weights.backend=distributed")
     assert code == 0, capsys.readouterr()
-    summary = json.loads(next(tmp_path.iterdir()).joinpath("summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["steps"] == 8
     # k = 0: each of versions 1..7 must be loaded before the next step's prompts are generated
     assert summary["actors"][0]["weight_loads"] == 7

@@ -1,0 +1,83 @@
+"""Real runs for the slow tests: ``tandem train`` in this process on the tiny model, what a run
+wrote, and a learner group trained on given batches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+from launch.build import build_learner_group
+from launch.cli import main
+from tests.fakes import make_group
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEMO = CONFIGS / "demo.yaml"
+
+
+def train(config: Path, model_dir: str, out_dir: Path, *overrides: str) -> int:
+    """``tandem train --config F`` on the prebuilt tiny model, writing under ``out_dir``; the exit code."""
+    return main(
+        [
+            "train",
+            "--config",
+            str(config),
+            f"model.path={model_dir}",
+            "model.build_tiny=false",
+            f"run.output_dir={out_dir}",
+            *overrides,
+        ]
+    )
+
+
+def run_dir(out_dir: Path) -> Path:
+    """The one run directory ``train`` made under ``out_dir``."""
+    (only,) = list(out_dir.iterdir())
+    return only
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(out_dir: Path) -> dict:
+    return json.loads((run_dir(out_dir) / "summary.json").read_text())
+
+
+# A learner group's config needs no model, data or reward: train_group is handed the model and batches.
+GROUP_BASE = [
+    "model.path=x",
+    "data.prompts=x",
+    "reward.function=x",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "learner.lr=0.01",
+]
+
+
+def varied_batches(seed: int, steps: int = 2) -> list:
+    """``steps`` batches of 4 prompts x 4 samples with random rewards and completion lengths
+    (uneven lengths exercise the global loss normaliser)."""
+    rng = random.Random(seed)
+    return [
+        [make_group(p, [rng.random() for _ in range(4)], completion_len=rng.randint(2, 9), seed=s) for p in range(4)]
+        for s in range(steps)
+    ]
+
+
+def train_group(ray, cfg, model_path: str, run, batches: list) -> tuple[tuple[int, int, int], list[dict], dict]:
+    """Build the learner group of ``cfg`` (ranks, and separate critic ranks / reference actors),
+    train one step per batch, export the weights and stop its processes. Returns (how many
+    policy ranks, critic ranks, reference actors), each step's metrics, and the weights by name."""
+
+    async def go():
+        group = await build_learner_group(cfg, model_path, run)
+        kinds = (len(group.workers), len(group.critics), len(group.references))
+        metrics = [await group.train_step(b) for b in batches]
+        weights = ray.get(await group.export_weights()).tensors()
+        for w in group.workers + group.critics + group.references:
+            ray.kill(w)
+        return kinds, metrics, dict(weights)
+
+    return asyncio.run(go())
