@@ -255,6 +255,11 @@ class ResourcesConfig(Section):
                 f"resources.actors.num_gpus = {a.num_gpus:g} but resources.actors.tensor_parallel = "
                 f"{a.tensor_parallel}: each vLLM engine shards over all its GPUs; set them equal"
             )
+        if not a.num_gpus and a.num_cpus < a.tensor_parallel:
+            raise ValueError(
+                f"resources.actors.tensor_parallel = {a.tensor_parallel} on CPU runs one shard per core, but "
+                f"resources.actors.num_cpus = {a.num_cpus:g} reserves fewer; set num_cpus={a.tensor_parallel}"
+            )
         return self
 
 

@@ -73,7 +73,11 @@ def test_tensor_parallel_actors_take_that_many_gpus_or_cores(monkeypatch):
         plan("resources.actors.num_gpus=1", "resources.actors.tensor_parallel=2")
     p = plan("resources.actors.num_gpus=2", "resources.actors.tensor_parallel=2")
     assert dict(plan_bundles(p))["actor-0"] == {"CPU": 1.0, "GPU": 2.0}
-    actors = plan("resources.actors.tensor_parallel=2", "resources.actors.count=2")["actors"]
+    with pytest.raises(ConfigError, match="one shard per core, but resources.actors.num_cpus = 1 reserves fewer"):
+        plan("resources.actors.tensor_parallel=2")
+    actors = plan("resources.actors.tensor_parallel=2", "resources.actors.num_cpus=2", "resources.actors.count=2")[
+        "actors"
+    ]
 
     def binding(index: int) -> str:
         return generation_actor_options(actors, index, {"kv_cache_gib": 1})["runtime_env"]["env_vars"][

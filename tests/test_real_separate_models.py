@@ -48,6 +48,7 @@ def test_a_run_with_every_model_on_its_own_process(tmp_path, tiny_model_dir, cap
         "rollout.prompts_per_step=8",
         "rollout.weight_update=inflight",
         "resources.actors.tensor_parallel=2",
+        "resources.actors.num_cpus=2",
         "resources.critic.placement=separate",
         "resources.reference.placement=separate",
     )

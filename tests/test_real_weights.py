@@ -30,7 +30,7 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path, t
     from learner.worker import LearnerWorker
 
     engine = {**EngineConfig().model_dump(), "tensor_parallel_size": tensor_parallel}
-    placement = {"num_cpus": 1, "num_gpus": 0, "tensor_parallel": tensor_parallel}
+    placement = {"num_cpus": tensor_parallel, "num_gpus": 0, "tensor_parallel": tensor_parallel}
     actor = (
         ray.remote(GenerationActor)
         .options(**generation_actor_options(placement, 0, engine))
