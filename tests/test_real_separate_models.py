@@ -40,6 +40,10 @@ def test_separate_critic_and_reference_match_colocated(ray_session, tiny_model_d
 def test_a_run_with_every_model_on_its_own_process(tmp_path, tiny_model_dir, capsys):
     """``tandem train``: PPO with a KL reward, the critic and the reference placed separately,
     and an in-flight actor whose engine is tensor parallel over two cores."""
+    import ray
+
+    if ray.is_initialized():  # the module's 4-CPU Ray: this run starts its own, sized for 5 processes' CPUs
+        ray.shutdown()
     code = train(
         CONFIGS / "ppo.yaml",
         tiny_model_dir,
@@ -52,8 +56,8 @@ def test_a_run_with_every_model_on_its_own_process(tmp_path, tiny_model_dir, cap
         "resources.critic.placement=separate",
         "resources.reference.placement=separate",
     )
-    out = capsys.readouterr().out
-    assert code == 0, out
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
     summary = read_summary(tmp_path)
     assert summary["steps"] == 3
     assert {"actor-0", "learner-0", "critic-0", "reference-0"} <= set(summary["placement"])
