@@ -16,7 +16,7 @@ from cluster.placement import (
     learner_rank_options,
     local_ray_cpus,
 )
-from launch.config import CRITIC_METHODS, TandemConfig
+from launch.config import TandemConfig
 from launch.run_dir import RunLog
 
 
@@ -150,10 +150,8 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, s
     from learner.group import LearnerGroup
 
     plan = cfg.placement()
-    needs_critic = cfg.algorithm.name in CRITIC_METHODS
-    needs_reference = cfg.algorithm.kl.placement != "none"
-    roles = ("policy",) + (("critic",) if needs_critic and not plan["critic"] else ())
-    roles += ("reference",) if needs_reference and not plan["reference"] else ()
+    roles = ("policy",) + (("critic",) if cfg.has_critic and not plan["critic"] else ())
+    roles += ("reference",) if cfg.has_reference and not plan["reference"] else ()
     ranks = cfg.resources.learner.ranks
     kinds = [("learner", ranks, plan["learner"], roles)]
     if plan["critic"]:

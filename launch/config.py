@@ -310,13 +310,23 @@ class TandemConfig(Section):
             )
         return self
 
+    @property
+    def has_critic(self) -> bool:
+        """The method trains a value model (PPO)."""
+        return self.algorithm.name in CRITIC_METHODS
+
+    @property
+    def has_reference(self) -> bool:
+        """A KL term needs the frozen reference model."""
+        return self.algorithm.kl.placement != "none"
+
     def placement(self) -> dict[str, Any]:
         """The ``resources`` section as the placement code reads it: ``critic`` / ``reference`` are
-        None unless they are placed separately and this run has one (PPO's critic; a KL term)."""
+        None unless this run has one and it is placed separately."""
         res = self.resources.model_dump()
-        if res["critic"]["placement"] != "separate" or self.algorithm.name not in CRITIC_METHODS:
+        if res["critic"]["placement"] != "separate" or not self.has_critic:
             res["critic"] = None
-        if res["reference"]["placement"] != "separate" or self.algorithm.kl.placement == "none":
+        if res["reference"]["placement"] != "separate" or not self.has_reference:
             res["reference"] = None
         return res
 

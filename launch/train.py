@@ -15,7 +15,7 @@ import asyncio
 import time
 from typing import Any
 
-from cluster.placement import reserve
+from cluster.placement import process_groups, reserve
 from launch.build import build_generation_actors, build_learner_group, build_weight_path, start_ray
 from launch.config import TandemConfig
 from launch.run_dir import RunLog
@@ -28,7 +28,8 @@ from queues.prompts import PromptStream
 async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str) -> dict[str, Any]:
     plan = cfg.placement()
     start_ray(plan)
-    extra = "".join(f", {n} separate {k} process(es)" for k, n in _separate(plan))
+    # separate critic ranks / reference actors: every kind of process after the actors and learner ranks
+    extra = "".join(f", {n} separate {prefix} process(es)" for prefix, _, n, _ in process_groups(plan)[2:])
     run.say(
         f"run directory: {run.root}\nstarting {cfg.resources.actors.count} generation actor(s) and "
         f"{cfg.resources.learner.ranks} learner rank(s){extra} ..."
@@ -82,9 +83,3 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         run.say(f"some actors did not stop within {cfg.run.weights_timeout_s:.0f}s; shutting them down")
         finals = [f"did not stop within {cfg.run.weights_timeout_s:.0f}s"] * len(actor_loops)
     return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals], "placement": run.placement}
-
-
-def _separate(plan: dict[str, Any]) -> list[tuple[str, int]]:
-    """(kind, count) of the models placed apart from the learner ranks."""
-    out = [("critic", plan["learner"]["ranks"])] if plan["critic"] else []
-    return out + ([("reference", plan["reference"]["count"])] if plan["reference"] else [])

@@ -158,11 +158,16 @@ class LearnerWorker:
         must run the same number of passes for ZeRO's collectives)."""
         return pack_sequences(micro_batch, self.pad_id, self.device, self.mask_dtype, self.row_tokens)
 
-    def _forward_logprobs(self, micro_batch, with_entropy: bool = False):
-        """The policy's log-probs of the completion tokens ``[n, T]`` (and entropy if asked)."""
-        batch = self._pack(micro_batch)
-        logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
-        return batch, packed_completion_logprobs(logits, batch, with_entropy=with_entropy)
+    def _models(self) -> list:
+        """The engines this process updates (policy and/or critic)."""
+        return [m for m in (self.engine, self.critic) if m is not None]
+
+    @staticmethod
+    def _completion_logprobs(model, batch, with_entropy: bool = False):
+        """``model``'s (policy or reference) log-probs of the packed completion tokens ``[n, T]``
+        (and their entropy if asked)."""
+        logits = model(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
+        return packed_completion_logprobs(logits, batch, with_entropy=with_entropy)
 
     def score(self, shard: LearnerShard) -> list[dict[str, list[float]]]:
         """Before any update: per sequence, what this process's roles give: the log-probs under
@@ -170,20 +175,17 @@ class LearnerWorker:
         import torch
 
         out: list[dict[str, list[float]]] = []
-        for model in (self.engine, self.critic):
-            if model is not None:
-                model.eval()
+        for model in self._models():
+            model.eval()
         with torch.no_grad():
             for mb in shard.minibatches:
                 for micro in mb.micro_batches:
                     batch = self._pack(micro)
                     fields = {}
                     if self.engine is not None:
-                        logits = self.engine(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
-                        fields["old_logprobs"] = packed_completion_logprobs(logits, batch)
+                        fields["old_logprobs"] = self._completion_logprobs(self.engine, batch)
                     if self.reference is not None:
-                        ref_logits = self.reference(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep())
-                        fields["ref_logprobs"] = packed_completion_logprobs(ref_logits.logits, batch)
+                        fields["ref_logprobs"] = self._completion_logprobs(self.reference, batch)
                     if self.critic is not None:
                         values = self.critic(**batch.model_inputs())  # [1, L]
                         fields["values"] = packed_at_completion(values, batch).float() * batch.completion_mask
@@ -199,30 +201,29 @@ class LearnerWorker:
         start = time.monotonic()
         totals: dict[str, float] = {"loss": 0.0}
         tokens = 0
+        for model in self._models():
+            model.train()
         for _ in range(shard.epochs):
             for mb in shard.minibatches:
                 for micro in mb.micro_batches:
+                    batch = self._pack(micro)
+                    n = float(batch.completion_mask.sum())
+                    tokens += int(n)
                     metrics = {}
                     if self.engine is not None:
-                        self.engine.train()
-                        batch, (learner_logprobs, entropy) = self._forward_logprobs(micro, with_entropy=True)
+                        learner_logprobs, entropy = self._completion_logprobs(self.engine, batch, with_entropy=True)
                         loss, metrics = self.objective(learner_logprobs, batch, mb, shard.kl_beta)
                         # DeepSpeed averages gradients over ranks; the loss is already a share of the
                         # global sum, so scale by world size to make the reduced gradient the global one.
                         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-                        metrics["entropy"] = entropy.sum() / max(float(batch.completion_mask.sum()), 1.0)
+                        metrics["entropy"] = entropy.sum() / max(n, 1.0)
                         totals["loss"] += float(loss.detach())
-                    else:
-                        batch = self._pack(micro)
-                    n = float(batch.completion_mask.sum())
-                    tokens += int(n)
                     if self.critic is not None:
                         metrics.update(self._critic_backward(batch, mb))
                     for key, value in metrics.items():  # token-weighted, summed across micro-batches
                         totals[key] = totals.get(key, 0.0) + float(value) * n
-                for model in (self.engine, self.critic):
-                    if model is not None:
-                        model.step()
+                for model in self._models():
+                    model.step()
         out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
         out["tokens"] = tokens / shard.epochs
         out["seconds"] = time.monotonic() - start
@@ -232,7 +233,6 @@ class LearnerWorker:
         return out
 
     def _critic_backward(self, batch, minibatch) -> dict[str, float]:
-        self.critic.train()
         values = packed_at_completion(self.critic(**batch.model_inputs()), batch).float()  # [n, T]
         weights = value_weights(batch, minibatch, self.algorithm)
         clip = self.algorithm["critic"]["value_clip"]
@@ -253,7 +253,8 @@ class LearnerWorker:
 
         self.engine.eval()
         with torch.no_grad():
-            batch, lp = self._forward_logprobs(micro_batch)
+            batch = self._pack(micro_batch)
+            lp = self._completion_logprobs(self.engine, batch)
         return [row[:n] for row, n in zip(lp.tolist(), batch.completion_lengths)]
 
     def open_weight_publisher(self, receivers: int, weights: dict[str, Any], connect_timeout_s: float):
