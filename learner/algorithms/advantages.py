@@ -176,6 +176,49 @@ def accumulate_step_rewards(step_rewards: Tensor, step_end_mask: Tensor, mask: T
     return suffix_sum * mask
 
 
+def step_moments(step_rewards: Tensor, step_end_mask: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sequence: how many steps it has, and the sum and sum of squares of their rewards.
+
+    ``[B, T]`` (rewards at step-end tokens, step ends, completion mask) ``-> 3 x [B]``; the group
+    statistics of ``grpo_process_advantages`` are sums of these over a group's rows, so they can be
+    computed where each sequence is and reduced anywhere.
+    """
+    mask = _float_mask(mask, step_rewards)
+    is_end = _float_mask(step_end_mask, step_rewards) * mask  # [B, T]
+    rewards = _zero_padding(step_rewards, is_end)
+    return is_end.sum(-1), rewards.sum(-1), (rewards * rewards).sum(-1)
+
+
+def group_mean_std(count: Tensor, total: Tensor, total_sq: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Mean and population std over each group's pooled values, from per-row moments ``[N]``.
+
+    ``mean_g = sum_rows total / n_g``, ``var_g = sum_rows total_sq / n_g - mean_g^2``; every row of
+    a group gets its group's ``(mean, std)`` (``[N]`` each). Computed in float64.
+    """
+    n = count.numel()
+    if group_size < 1 or n % group_size != 0:
+        raise ValueError(f"{n} sequences do not split into groups of {group_size}")
+    sums = [x.double().view(-1, group_size).sum(-1) for x in (count, total, total_sq)]  # [num_groups] each
+    steps = sums[0].clamp(min=1.0)
+    mean = sums[1] / steps  # mean over the group's steps
+    var = (sums[2] / steps - mean * mean).clamp(min=0.0)  # population variance
+    repeat = lambda x: x.repeat_interleave(group_size).to(total.dtype)  # noqa: E731
+    return repeat(mean), repeat(var.sqrt())
+
+
+def normalise_step_rewards(
+    step_rewards: Tensor, step_end_mask: Tensor, mask: Tensor, mean: Tensor, std: Tensor, eps: float = 1e-6
+) -> Tensor:
+    """``r~ = (r - mean_i) / (std_i + eps)`` at each step-end token, 0 elsewhere.
+
+    ``[B, T]`` tensors as in ``grpo_process_advantages``; ``mean``, ``std``: ``[B]``, each row's group's.
+    """
+    mask = _float_mask(mask, step_rewards)
+    is_end = _float_mask(step_end_mask, step_rewards) * mask
+    rewards = _zero_padding(step_rewards, is_end)
+    return (rewards - mean.unsqueeze(-1)) / (std.unsqueeze(-1) + eps) * is_end
+
+
 def grpo_process_advantages(
     step_rewards: Tensor,
     step_end_mask: Tensor,
@@ -206,16 +249,8 @@ def grpo_process_advantages(
     is_end = _float_mask(step_end_mask, step_rewards) * mask  # [B, T]
     rewards = _zero_padding(step_rewards, is_end)
     if normalise:
-        batch, length = rewards.shape
-        if group_size < 1 or batch % group_size != 0:
-            raise ValueError(f"{batch} sequences do not split into groups of {group_size}")
-        grouped_r = rewards.reshape(-1, group_size * length)  # [num_groups, G*T]
-        grouped_e = is_end.reshape(-1, group_size * length)  # [num_groups, G*T]
-        n_steps = grouped_e.sum(-1, keepdim=True).clamp(min=1.0)  # [num_groups, 1]
-        mean = (grouped_r * grouped_e).sum(-1, keepdim=True) / n_steps  # mean over the group's steps
-        var = (((grouped_r - mean) ** 2) * grouped_e).sum(-1, keepdim=True) / n_steps  # population var
-        normalised = (grouped_r - mean) / (var.sqrt() + eps)  # r~ = (r - mean) / (std + eps)
-        rewards = (normalised * grouped_e).reshape(batch, length)
+        mean, std = group_mean_std(*step_moments(rewards, is_end, mask), group_size)  # [B] each
+        rewards = normalise_step_rewards(rewards, is_end, mask, mean, std, eps)
     return accumulate_step_rewards(rewards, is_end, mask)
 
 
@@ -230,7 +265,20 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return _zero_padding(x, mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """``[count, sum, sum of squares]`` of ``x`` over masked-in positions, float64 ``[3]``.
+
+    Moments of several shards add up to the moments of their union, which is how whitening
+    runs over a batch split across data-parallel ranks.
+    """
+    mask = _float_mask(mask, x).double()
+    x = _zero_padding(x.double(), mask)
+    return torch.stack([mask.sum(), x.sum(), (x * x).sum()])
+
+
+def whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, moments: Tensor | None = None
+) -> Tensor:
     """Masked whitening ``(x - mean) / sqrt(var + eps)`` over the real tokens.
 
     ``var`` is the population variance over masked-in positions. With
@@ -239,15 +287,19 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) 
     Args:
         x: ``[B, T]`` (any shape matching ``mask``).
         mask: same shape, 1 for positions that count.
+        moments: ``masked_moments`` of the whole population when ``x`` is one shard of it
+            (default: ``x``'s own): ``mean = sum / n``, ``var = sum_sq / n - mean^2``.
 
     Returns:
         Same shape as ``x``, zero on padding.
     """
     mask = _float_mask(mask, x)
     x = _zero_padding(x, mask)
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)  # population variance
-    whitened = (x - mean) * torch.rsqrt(var + eps)  # (x - mu) / sqrt(var + eps)
+    count, total, total_sq = (moments if moments is not None else masked_moments(x, mask)).tolist()
+    count = max(count, 1.0)
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)  # population variance
+    whitened = (x - mean) / (var + eps) ** 0.5  # (x - mu) / sqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask

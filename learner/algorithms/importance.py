@@ -108,9 +108,10 @@ def tis_weights(
         flagged, flag_name = (unit_ratio < 1.0 / cap) | (unit_ratio > cap), "tis_masked_frac"
     weights = torch.where(real, weights, zeros)  # [B, T]; padding -> 0
 
-    w_sum, w_sq = weights.sum(), (weights * weights).sum()
-    n_tokens = token_mask.sum()
-    ess = torch.where(w_sq > 0, w_sum**2 / (n_tokens * w_sq).clamp(min=1e-30), torch.zeros((), dtype=dtype))
+    w64 = weights.double()  # sums in float64: fp32 rounding put the ESS of equal weights at 1 + 1e-7
+    w_sum, w_sq, n_tokens = w64.sum(), (w64 * w64).sum(), token_mask.double().sum()
+    ess = torch.where(w_sq > 0, w_sum**2 / (n_tokens * w_sq).clamp(min=1e-30), torch.zeros((), dtype=torch.float64))
+    ess = ess.clamp(max=1.0).to(dtype)  # <= 1 by Cauchy-Schwarz; the clamp only removes rounding
     k3 = torch.exp(log_ratio) - 1.0 - log_ratio  # (rho - 1) - log rho, estimates KL(pi_sampler || pi_learner)
     metrics = {
         "tis_rho_mean": _masked_mean(unit_ratio, unit_mask),

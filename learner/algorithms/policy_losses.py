@@ -30,6 +30,11 @@ from torch import Tensor
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
+# |log r| is clamped to this before exp: r in [2.1e-9, 4.9e8]. Unclamped, a log ratio of 100 makes
+# r = inf in fp32 and the gradient NaN (0 * inf in exp's backward) even on a clipped token. A token
+# beyond the bound is far outside any clip range; its ratio term there has no gradient.
+LOG_RATIO_CLAMP = 20.0
+
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -42,7 +47,8 @@ def _prepare(
     """Float mask, per-token advantages, log-ratio and log-probs, all zero on padding.
 
     Computed in at least float32 (bf16 log-probs are upcast) so that ratios and token
-    counts stay exact; gradients still flow back to ``logprobs`` in its own dtype.
+    counts stay exact; gradients still flow back to ``logprobs`` in its own dtype. The log
+    ratio is clamped to ``+-LOG_RATIO_CLAMP`` (every ratio-based loss: PPO, GSPO, CISPO).
     """
     real = mask > 0
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -52,7 +58,8 @@ def _prepare(
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # [B] -> [B, T]
     advantages = torch.where(real, advantages.to(dtype), zeros)
     logprobs = torch.where(real, logprobs.to(dtype), zeros)
-    log_ratio = torch.where(real, logprobs - old_logprobs.detach().to(dtype), zeros)  # log pi/pi_old
+    raw = (logprobs - old_logprobs.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.where(real, raw, zeros)  # log pi/pi_old, |.| <= LOG_RATIO_CLAMP
     return mask, advantages, log_ratio, logprobs
 
 

@@ -122,6 +122,15 @@ def test_ess_of_equal_weights_is_one():
     assert m["tis_ess"].item() == pytest.approx(1.0)
 
 
+def test_ess_never_exceeds_one_in_float32():
+    # 1,000 equal weights rho = e^0.5 = 1.65 in fp32: summed in fp32, (sum w)^2 / (N sum w^2) came out
+    # as 1.0000004; it is <= 1 by Cauchy-Schwarz
+    sampler = torch.zeros((10, 100), dtype=torch.float32)
+    _, m = tis_weights(sampler + 0.5, sampler, torch.ones_like(sampler))
+    assert m["tis_ess"].dtype == torch.float32 and m["tis_ess"].item() <= 1.0
+    assert m["tis_ess"].item() == pytest.approx(1.0)
+
+
 def test_ess_hand_example():
     # log ratios ln 3, 0, 0, ln 0.5 -> rho 3, 1, 1, 0.5 -> w = 2, 1, 1, 0.5
     # ESS = (2 + 1 + 1 + 0.5)^2 / (4 * (4 + 1 + 1 + 0.25)) = 20.25 / 25 = 0.81

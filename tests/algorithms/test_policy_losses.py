@@ -291,6 +291,27 @@ def test_bf16_logprobs_are_computed_in_float32():
     assert logprobs.grad.float().mean().item() == pytest.approx(-0.5 / 1000, rel=1e-2)
 
 
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(name, dtype):
+    # log r = 100: exp overflows fp32 (r = inf) and, unclamped, 0 * inf in exp's backward is NaN.
+    # The log ratio is clamped to +-20 first (r <= 4.9e8).
+    logprobs = torch.tensor([[100.0, 0.5]], dtype=dtype, requires_grad=True)
+    old = torch.zeros((1, 2), dtype=dtype)
+    mask = torch.ones((1, 2), dtype=dtype)
+    for advantage in (1.0, -1.0):
+        adv = torch.full((1, 2), advantage, dtype=dtype)
+        w = token_weights(mask, "token_mean", num_tokens=2.0)
+        loss, metrics = get_policy_loss(name)(logprobs, old, adv, mask, w)
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), (name, advantage, loss, grad)
+        assert all(torch.isfinite(v) for v in metrics.values())
+    if name == "ppo_clip":
+        # A = -1 on token 0: unclipped -r A = r = e^20 (the clamp's bound), and no gradient beyond it
+        assert float(loss.detach()) == pytest.approx((math.exp(20.0) + math.exp(0.5)) / 2, rel=1e-5)
+        assert grad[0, 0] == 0.0 and grad[0, 1] == pytest.approx(math.exp(0.5) / 2, rel=1e-5)
+
+
 def test_registry_rejects_unknown_names():
     assert set(POLICY_LOSSES) == {"vanilla_pg", "ppo_clip", "gspo", "cispo"}
     assert get_policy_loss("ppo_clip") is ppo_clip_loss
