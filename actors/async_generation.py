@@ -2,10 +2,12 @@
 
 Used with ``rollout.weight_update: inflight``. Prompts stream in continuously (up to
 ``rollout.max_inflight_prompts`` at once); every completion streams out token by token
-and each token is tagged with the policy version that produced it. When newer weights
-are published the actor pauses the engine keeping its requests, loads the weights,
-drops all cached KV (running requests are recomputed under the new weights) and
-resumes: a long generation never blocks an update.
+and each token is tagged with the policy version that produced it. A watcher waits on the
+weight channel for each newer version; when one is published the actor pauses the engine
+keeping its requests, loads the weights, drops all cached KV (running requests are
+recomputed under the new weights) and resumes: a long generation never blocks an update.
+Nothing polls: the prompt queue, the weight channel and finished generations each wake
+the actor when they have something.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import time
 import uuid
 from typing import Any
 
-from actors.generation import engine_kwargs, redirect_output
 from actors.policy_clock import PolicyClock
 from actors.rewards import load_reward_function
 from actors.scoring import GroupBuilder, Sample
-from queues.messages import PromptRequest
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, ready_report, sampling_params
+from cluster.channel import ChannelClosed, WeightReceiver, WeightsTimeout
+from cluster.logs import redirect_output
+from queues.bounded import QueueClosed
+from queues.messages import PromptRequest, TrajectoryGroup
 
 
 def weights_to_bytes(named_tensors: list) -> bytes:
@@ -31,63 +36,45 @@ def weights_to_bytes(named_tensors: list) -> bytes:
 
 
 class AsyncGenerationActor:
-    """An async Ray actor owning an ``AsyncLLM``. Same constructor as ``GenerationActor``."""
+    """An async Ray actor owning an ``AsyncLLM`` (``engine``: an already built one, for tests)."""
 
-    def __init__(
-        self,
-        name: str,
-        model_path: str,
-        engine: dict[str, Any],
-        rollout: dict[str, Any],
-        reward_function: str,
-        dtype: str,
-        seed: int,
-        log_path: str | None = None,
-        step_delimiter: str | None = None,
-    ):
-        redirect_output(log_path)
-        self.name, self.model_path, self.engine_cfg, self.rollout = name, model_path, engine, rollout
-        self.dtype, self.seed = dtype, seed
-        self.reward_function, self.step_delimiter = reward_function, step_delimiter
-        self.engine = None
+    def __init__(self, spec: ActorSpec, engine: Any = None):
+        redirect_output(spec.log_path)
+        self.spec, self.engine = spec, engine
         self.policy = PolicyClock()
         self._update_lock = asyncio.Lock()
 
     async def ready(self) -> dict[str, Any]:
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        if not hasattr(self, "builder"):
+            if self.engine is None:
+                from vllm import AsyncEngineArgs
+                from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.engine is None:
-            args = AsyncEngineArgs(**engine_kwargs(self.engine_cfg, self.model_path, self.dtype, self.seed))
-            self.engine = AsyncLLM.from_engine_args(args)
+                self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.spec)))
             tokenizer = self.engine.tokenizer
             self.builder = GroupBuilder(
-                self.name,
-                load_reward_function(self.reward_function),
+                self.spec.name,
+                load_reward_function(self.spec.reward_function),
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                self.step_delimiter,
+                self.spec.step_delimiter,
             )
             self.tensor_parallel = self.engine.vllm_config.parallel_config.tensor_parallel_size
             print(
-                f"[{self.name}] async engine ready (pid {os.getpid()}, {self.model_path}, {self.dtype}, "
-                f"tensor parallel {self.tensor_parallel})",
+                f"[{self.spec.name}] async engine ready (pid {os.getpid()}, {self.spec.model_path}, "
+                f"{self.spec.dtype}, tensor parallel {self.tensor_parallel})",
                 flush=True,
             )
-        import ray
-
-        return {
-            "name": self.name,
-            "pid": os.getpid(),
-            "version": self.policy.version,
-            "node": ray.get_runtime_context().get_node_id(),
-            "tensor_parallel": self.tensor_parallel,
-        }
+        return ready_report(self.spec, self.policy.version, self.tensor_parallel)
 
     # --- weights -------------------------------------------------------------------
     async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:
         """Pause (``keep``: in-flight requests wait; ``wait``: they finish on the old weights),
-        load, drop cached KV, resume. Tokens streamed after this returns carry ``version``."""
+        load, drop cached KV, resume. Tokens streamed after this returns carry ``version``.
+        A version not newer than the loaded one is skipped (the watcher and a prompt may race)."""
         async with self._update_lock:
+            if version <= self.policy.version:
+                return self.policy.version
+            start = time.monotonic()
             blob = weights_to_bytes(named_tensors)
             await self.engine.pause_generation(mode=mode, clear_cache=True)
             try:
@@ -96,34 +83,35 @@ class AsyncGenerationActor:
                 self.policy.loaded(version)
             finally:
                 await self.engine.resume_generation()
+            self.policy.waited(time.monotonic() - start)
         return version
 
-    async def sync_weights(self, channel, min_version: int, timeout: float, mode: str = "keep") -> None:
+    async def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float, mode: str = "keep"):
+        """Make sure weights of at least ``min_version`` are loaded, waiting up to ``timeout``."""
+        if min_version <= self.policy.version:
+            return
         start = time.monotonic()
-        latest = await asyncio.to_thread(channel.latest_version)  # a blocking ray.get: off the event loop
-        if self.policy.wants(latest, min_version):
-            version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)
-            if version > self.policy.version:
-                await self.load_weights(named, version, mode)
+        version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)  # off the event loop
+        await self.load_weights(named, version, mode)
         self.policy.waited(time.monotonic() - start)
+
+    async def _follow_weights(self, channel: WeightReceiver, timeout: float) -> None:
+        """Load every newer version as soon as it is published, until the channel closes."""
+        while True:
+            try:
+                version, named = await asyncio.to_thread(channel.fetch, self.policy.version + 1, timeout)
+            except ChannelClosed:
+                return
+            except WeightsTimeout:
+                continue  # nothing newer within the window: the learner is still training
+            await self.load_weights(named, version)
 
     # --- generation ----------------------------------------------------------------
     async def _sample(self, prompt: str) -> Sample:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            n=1,
-            max_tokens=self.rollout["max_tokens"],
-            min_tokens=self.rollout["min_tokens"],
-            temperature=self.rollout["temperature"],
-            top_p=self.rollout["top_p"],
-            logprobs=0,
-            # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
-            # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
-            # for a request that is being recomputed, which is what a weight swap does.
-            output_kind=RequestOutputKind.DELTA,
-        )
+        # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
+        # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
+        # for a request that is being recomputed, which is what a weight swap does.
+        params = sampling_params(self.spec.rollout, 1, seed=None, stream=True)
         ids, logprobs, versions, prompt_ids, finish = [], [], [], None, "stop"
         async for out in self.engine.generate(prompt, params, request_id=uuid.uuid4().hex):
             prompt_ids = prompt_ids or list(out.prompt_token_ids)
@@ -137,11 +125,11 @@ class AsyncGenerationActor:
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
         return Sample(prompt_ids, ids, logprobs, versions, finish, text)
 
-    async def generate_group(self, request: PromptRequest):
+    async def generate_group(self, request: PromptRequest) -> TrajectoryGroup:
         start = time.monotonic()
-        G = self.rollout["group_size"]
+        G = self.spec.rollout.group_size
         samples = await asyncio.gather(*[self._sample(request.row["prompt"]) for _ in range(G)])
-        return self.builder.group(request, list(samples), time.monotonic() - start)
+        return self.builder.group(request, list(samples), time.monotonic() - start, self.policy.take_wait())
 
     async def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams
@@ -155,31 +143,63 @@ class AsyncGenerationActor:
         return [final.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_token_ids), len(ids))]
 
     # --- the actor's loop ----------------------------------------------------------
-    async def run(self, prompt_queue, results_queue, channel, timeouts: dict[str, float]) -> dict[str, Any]:
-        """Keep up to ``max_inflight_prompts`` groups generating; swap weights as soon as they appear."""
-        cap = self.rollout["max_inflight_prompts"]
+    async def run(self, prompt_queue, results_queue, channel: WeightReceiver, timeouts: ActorTimeouts) -> dict:
+        """Keep up to ``max_inflight_prompts`` groups generating until the queues close; a watcher
+        swaps weights in as soon as they are published."""
+        cap = self.spec.rollout.max_inflight_prompts
         inflight: set[asyncio.Task] = set()
+        freed = asyncio.Event()  # a generation finished: room for another prompt
+        broke = asyncio.Event()  # a generation failed: the loop raises its error
+        failures: list[BaseException] = []
         done_groups = 0
-        while not await asyncio.to_thread(channel.is_closed):
-            await self.sync_weights(channel, self.policy.version, timeouts["weights_s"])  # newest weights, no waiting
-            room = cap - len(inflight)
-            requests = await prompt_queue.get_batch_async(room, timeout=0.05) if room > 0 else []
-            for request in requests:
-                await self.sync_weights(channel, request.min_version, timeouts["weights_s"])
-                inflight.add(asyncio.create_task(self.generate_group(request)))
-            if not inflight:
-                continue
-            finished, _ = await asyncio.wait(inflight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
-                inflight.discard(task)
-                group = task.result()
-                group.weight_wait_s = self.policy.take_wait()
-                await results_queue.put_many_async([group], timeout=timeouts["data_s"])
+
+        async def generate_and_push(request: PromptRequest) -> None:
+            nonlocal done_groups
+            group = await self.generate_group(request)
+            try:
+                await results_queue.put_many_async([group], timeout=timeouts.data_s)
                 done_groups += 1
-        for task in inflight:
-            task.cancel()
-        self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
-        return {"name": self.name, "groups": done_groups, "weight_loads": self.policy.loads}
+            except QueueClosed:
+                pass  # the run ended while this group was generating
+
+        def finished(task: asyncio.Task) -> None:
+            inflight.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())
+                broke.set()
+            freed.set()
+
+        watcher = asyncio.create_task(self._follow_weights(channel, timeouts.weights_s))
+        failed = asyncio.create_task(broke.wait())
+        try:
+            while True:
+                while len(inflight) >= cap and not failures:
+                    freed.clear()
+                    await freed.wait()
+                if failures:
+                    raise failures[0]
+                intake = asyncio.create_task(prompt_queue.get_batch_async(cap - len(inflight), timeouts.idle_s))
+                watching = set() if watcher.done() else {watcher}  # it ends quietly when the channel closes
+                await asyncio.wait({intake, failed, *watching}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+                    failures.append(watcher.exception())
+                if failures:
+                    intake.cancel()
+                    raise failures[0]
+                try:
+                    requests = await intake
+                except QueueClosed:
+                    break  # the run is over
+                for request in requests:
+                    await self.sync_weights(channel, request.min_version, timeouts.weights_s)
+                    task = asyncio.create_task(generate_and_push(request))
+                    inflight.add(task)
+                    task.add_done_callback(finished)
+        finally:
+            for task in [watcher, failed, *inflight]:
+                task.cancel()
+            self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
+        return {"name": self.spec.name, "groups": done_groups, "weight_loads": self.policy.loads}
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()

@@ -2,115 +2,59 @@
 
 It takes prompt requests from the prompt queue, samples G completions of each with
 their logprobs, scores them with the reward function and pushes one
-``TrajectoryGroup`` per prompt to the results queue. Between generate calls it pulls
-the newest weights from the weight channel, loads them into the engine, resets the
-prefix cache (cached KV of the old weights would be wrong) and records the version
-that every later token is sampled with.
+``TrajectoryGroup`` per prompt to the results queue. Before a generate call it fetches the
+weights its prompts need from the weight channel (``cluster/channel.py``), loads them into the
+engine, resets the prefix cache (cached KV of the old weights would be wrong) and records the
+version that every later token is sampled with. The loop ends when the queues are closed.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
 from actors.policy_clock import PolicyClock
 from actors.rewards import load_reward_function
 from actors.scoring import GroupBuilder, Sample
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, ready_report, sampling_params
+from cluster.channel import WeightReceiver
+from cluster.logs import redirect_output
+from queues.bounded import QueueClosed
 from queues.messages import PromptRequest, TrajectoryGroup
 
 
-def redirect_output(log_path: str | None) -> None:
-    """Send this process's stdout/stderr (vLLM's and DeepSpeed's logs too) to ``log_path``."""
-    if not log_path:
-        return
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-
-
-def engine_kwargs(engine: dict[str, Any], model_path: str, dtype: str, seed: int | None) -> dict[str, Any]:
-    """vLLM engine arguments from the ``engine`` config section (plus ``tensor_parallel_size``,
-    which placement decides), shared by the sync and the in-flight actor."""
-    import torch
-
-    tp = engine.get("tensor_parallel_size", 1)
-    memory = (
-        {"gpu_memory_utilization": engine["gpu_memory_utilization"]}
-        if torch.cuda.is_available()
-        else {"kv_cache_memory_bytes": engine["kv_cache_gib"] << 30}
-    )
-    return dict(
-        model=model_path,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=engine["max_model_len"],
-        enforce_eager=engine["enforce_eager"],
-        worker_extension_cls="actors.vllm_worker.WeightReceiver",
-        tensor_parallel_size=tp,
-        # shard workers as child processes of this actor, on the GPUs (or cores) Ray gave it;
-        # inside a Ray actor vLLM would otherwise pick its Ray executor and ask for new bundles
-        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
-        **memory,
-    )
-
-
 class GenerationActor:
-    """Owns a vLLM engine. Placement (CPUs/GPUs) is given by ``cluster/``, not here."""
+    """Owns a vLLM engine (``engine``: an already built ``vllm.LLM``-like object, for tests).
+    Placement (CPUs/GPUs) is given by ``cluster/``, not here."""
 
-    def __init__(
-        self,
-        name: str,
-        model_path: str,
-        engine: dict[str, Any],
-        rollout: dict[str, Any],
-        reward_function: str,
-        dtype: str,
-        seed: int,
-        log_path: str | None = None,
-        step_delimiter: str | None = None,
-    ):
-        """``step_delimiter`` is set for process supervision: the reward function then
-        returns one reward per step, and each is placed on the token that ends its step."""
-        redirect_output(log_path)
-        # In-process engine: tensors reach the worker without a serialisation hop.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM
+    def __init__(self, spec: ActorSpec, engine: Any = None):
+        redirect_output(spec.log_path)
+        self.spec = spec
+        if engine is None:
+            # In-process engine: tensors reach the worker without a serialisation hop.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            from vllm import LLM
 
-        self.name = name
-        self.rollout = rollout
-        self.seed = seed
-        self.llm = LLM(**engine_kwargs(engine, model_path, dtype, seed))
+            engine = LLM(**engine_kwargs(spec))
+        self.llm = engine
         tokenizer = self.llm.get_tokenizer()
         self.builder = GroupBuilder(
-            name,
-            load_reward_function(reward_function),
+            spec.name,
+            load_reward_function(spec.reward_function),
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            step_delimiter,
+            spec.step_delimiter,
         )
         self.policy = PolicyClock()
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         print(
-            f"[{name}] engine ready (pid {os.getpid()}, {model_path}, {dtype}, tensor parallel {self.tensor_parallel})",
+            f"[{spec.name}] engine ready (pid {os.getpid()}, {spec.model_path}, {spec.dtype}, "
+            f"tensor parallel {self.tensor_parallel})",
             flush=True,
         )
 
     def ready(self) -> dict[str, Any]:
-        import ray
-
-        return {
-            "name": self.name,
-            "pid": os.getpid(),
-            "version": self.policy.version,
-            "node": ray.get_runtime_context().get_node_id(),
-            "tensor_parallel": self.tensor_parallel,
-        }
+        return ready_report(self.spec, self.policy.version, self.tensor_parallel)
 
     # --- weights -------------------------------------------------------------------
     def load_weights(self, named_tensors: list, version: int) -> int:
@@ -120,7 +64,7 @@ class GenerationActor:
         self.policy.loaded(version)
         return version
 
-    def sync_weights(self, channel, min_version: int, timeout: float) -> None:
+    def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float) -> None:
         """Load the newest published weights; wait (up to ``timeout``) until version >= ``min_version``."""
         start = time.monotonic()
         if self.policy.wants(channel.latest_version(), min_version):
@@ -130,28 +74,20 @@ class GenerationActor:
         self.policy.waited(time.monotonic() - start)
 
     # --- generation ----------------------------------------------------------------
-    def sampling_params(self, prompt_id: int, n: int):
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            n=n,
-            max_tokens=self.rollout["max_tokens"],
-            min_tokens=self.rollout["min_tokens"],
-            temperature=self.rollout["temperature"],
-            top_p=self.rollout["top_p"],
-            logprobs=0,  # the sampled token's logprob
-            seed=self.seed * 1_000_003 + prompt_id,  # reproducible per prompt
-        )
-
     def generate(self, requests: list[PromptRequest]) -> list[TrajectoryGroup]:
         """Sample ``group_size`` completions per request, score them, return one group each."""
         start = time.monotonic()
-        G = self.rollout["group_size"]
+        G = self.spec.rollout.group_size
         prompts = [r.row["prompt"] for r in requests]
-        params = [self.sampling_params(r.prompt_id, G) for r in requests]
+        seed = self.spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
+        params = [sampling_params(self.spec.rollout, G, seed=seed + r.prompt_id) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - start
-        return [self.builder.group(req, self._samples(out), elapsed) for req, out in zip(requests, outputs)]
+        waits = [self.policy.take_wait()] + [0.0] * (len(requests) - 1)  # the call's weight time, reported once
+        return [
+            self.builder.group(req, self._samples(out), elapsed, wait)
+            for req, out, wait in zip(requests, outputs, waits, strict=True)
+        ]
 
     def _samples(self, output) -> list[Sample]:
         samples = []
@@ -181,20 +117,22 @@ class GenerationActor:
         return [out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
 
     # --- the actor's loop ----------------------------------------------------------
-    def run(self, prompt_queue, results_queue, channel, timeouts: dict[str, float]) -> dict[str, Any]:
-        """Generate until the channel closes: take prompts, sync weights, generate, push results."""
-        per_call = self.rollout["prompts_per_request"]
+    def run(self, prompt_queue, results_queue, channel: WeightReceiver, timeouts: ActorTimeouts) -> dict[str, Any]:
+        """Generate until the queues close: take prompts, sync weights, generate, push results."""
+        per_call = self.spec.rollout.prompts_per_request
         groups_done = 0
-        while not channel.is_closed():
-            requests = prompt_queue.get_batch(per_call, timeout=0.5)
-            if not requests:
-                continue
-            self.sync_weights(channel, max(r.min_version for r in requests), timeouts["weights_s"])
-            groups = self.generate(requests)
-            groups[0].weight_wait_s = self.policy.take_wait()
-            results_queue.put_many(groups, timeout=timeouts["data_s"])
-            groups_done += len(groups)
-        return {"name": self.name, "groups": groups_done, "weight_loads": self.policy.loads}
+        try:
+            while True:
+                requests = prompt_queue.get_batch(per_call, timeout=timeouts.idle_s)  # woken by a put or a close
+                if not requests:
+                    continue
+                self.sync_weights(channel, max(r.min_version for r in requests), timeouts.weights_s)
+                groups = self.generate(requests)
+                results_queue.put_many(groups, timeout=timeouts.data_s)
+                groups_done += len(groups)
+        except QueueClosed:
+            pass  # the run is over
+        return {"name": self.spec.name, "groups": groups_done, "weight_loads": self.policy.loads}
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from actors.rewards import RewardFn, score, score_steps, step_end_tokens
 from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
 
@@ -36,7 +38,11 @@ class GroupBuilder:
         self.actor_name, self.reward_fn, self.decode = actor_name, reward_fn, decode
         self.step_delimiter = step_delimiter
 
-    def group(self, request: PromptRequest, samples: list[Sample], elapsed: float) -> TrajectoryGroup:
+    def group(
+        self, request: PromptRequest, samples: list[Sample], elapsed: float, weight_wait_s: float = 0.0
+    ) -> TrajectoryGroup:
+        """The scored group of ``request``; ``weight_wait_s``: the actor's weight time since its
+        previous group (it rides to the learner's step metrics)."""
         trajectories, errors, first_error = [], 0, None
         for s in samples:
             reward, steps, ends, error = self.score(request, s.text, s.token_ids)
@@ -45,16 +51,16 @@ class GroupBuilder:
                 first_error = first_error or error
             trajectories.append(
                 Trajectory(
-                    prompt_token_ids=s.prompt_token_ids,
-                    completion_token_ids=s.token_ids,
-                    completion_mask=[1] * len(s.token_ids),
-                    sampler_logprobs=s.logprobs,
-                    policy_versions=s.versions,
+                    prompt_token_ids=np.asarray(s.prompt_token_ids, dtype=np.int32),
+                    completion_token_ids=np.asarray(s.token_ids, dtype=np.int32),
+                    completion_mask=np.ones(len(s.token_ids), dtype=np.uint8),
+                    sampler_logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                    policy_versions=np.asarray(s.versions, dtype=np.int32),
                     reward=reward,
                     finish_reason=s.finish_reason,
                     completion_text=s.text,
-                    step_rewards=steps,
-                    step_end_tokens=ends,
+                    step_rewards=None if steps is None else np.asarray(steps, dtype=np.float32),
+                    step_end_tokens=None if ends is None else np.asarray(ends, dtype=np.int32),
                 )
             )
         if first_error:
@@ -69,6 +75,7 @@ class GroupBuilder:
             reward_errors=errors,
             first_reward_error=first_error,
             generate_seconds=elapsed,
+            weight_wait_s=weight_wait_s,
         )
 
     def score(self, request: PromptRequest, text: str, ids: list[int]):

@@ -1,174 +1,128 @@
-"""Placement: which Ray resources each process gets, from the ``resources`` config section.
+"""Placement: which Ray resources each process gets, and one placement group for all of them.
 
-Nothing else in Tandem names CPUs or GPUs; actors are created with
-``Actor.options(**placement).remote(**params)``. The plan is one Ray placement group with
-a bundle per process (``plan_bundles``): every generation actor, every learner rank, and,
-when they are placed separately, every critic rank and reference actor. ``check_fits``
-compares the totals with what the cluster offers before anything starts, and ``reserve``
-waits (with a deadline) for Ray to place every bundle on a node.
-
-``resources`` here is ``TandemConfig.placement()``: its ``critic`` / ``reference`` entries
-are None when those models live on the learner ranks (or the run has none).
+Nothing else in Tandem names CPUs or GPUs; processes are created with
+``Actor.options(**ray_options(kind, env, bundle)).remote(**params)``. The plan is a list of
+``ProcessKind``s (``launch/plan.py`` makes it from the config; this module knows no roles):
+each kind is ``count`` processes with the same resources, and the placement group has one
+bundle per process (``plan_bundles``). ``check_fits`` compares the totals with what the
+cluster offers before anything starts, and ``reserve`` waits (with a deadline) for Ray to
+place every bundle on a node. The environment a process needs (vLLM's or DeepSpeed's
+variables) comes from its role, passed in as ``env``.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
-
-# Compiled kernels (vLLM's first logprobs call) are cached across runs here.
-INDUCTOR_CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "inductor"
 
 
 class PlacementError(RuntimeError):
     """The plan asks for more than the cluster has."""
 
 
-def generation_actor_options(
-    actors: dict[str, Any], index: int, engine: dict[str, Any], scheduling: Any = None
-) -> dict[str, Any]:
-    """Ray options for generation actor ``index`` (``scheduling``: its placement-group bundle)."""
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the actor's process: weights pass directly
-        "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE),
-        "TOKENIZERS_PARALLELISM": "false",
+@dataclass(frozen=True)
+class ProcessKind:
+    """``count`` processes named ``<prefix>-0`` .. ``<prefix>-<count-1>``, each with these resources."""
+
+    prefix: str  # process names, e.g. "actor"
+    label: str  # one such process in messages, e.g. "learner rank"
+    count: int
+    num_cpus: float
+    num_gpus: float
+    custom: dict[str, float] = field(default_factory=dict)
+    section: str = ""  # its config section, e.g. "resources.actors": the keys a fix hint names
+    count_key: str | None = None  # the key that sets count, when the user sets it
+    colocate_hint: str | None = None  # the setting that would put it on other processes instead
+    note: str = ""  # shown beside each of its processes in ``describe_plan``
+
+    def names(self) -> list[str]:
+        return [f"{self.prefix}-{i}" for i in range(self.count)]
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": float(self.num_cpus), **{k: float(v) for k, v in self.custom.items()}}
+        if self.num_gpus:
+            b["GPU"] = float(self.num_gpus)
+        return b
+
+
+def ray_options(kind: ProcessKind, env: dict[str, str], scheduling: Any = None) -> dict[str, Any]:
+    """Ray options for one process of ``kind`` (``scheduling``: its placement-group bundle)."""
+    options = {
+        "num_cpus": kind.num_cpus,
+        "num_gpus": kind.num_gpus,
+        "resources": dict(kind.custom),
+        "runtime_env": {"env_vars": dict(env)},
     }
-    if not actors["num_gpus"]:
-        # vLLM on CPU ignores Ray's CPU accounting and would pin every engine to core 0;
-        # a tensor-parallel engine takes one core per shard ("0|1").
-        tp, cores = actors.get("tensor_parallel", 1), os.cpu_count() or 1
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str((index * tp + j) % cores) for j in range(tp))
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(engine["kv_cache_gib"])
-    return _with_scheduling(
-        {
-            "num_cpus": actors["num_cpus"],
-            "num_gpus": actors["num_gpus"],
-            "resources": dict(actors.get("custom") or {}),
-            "runtime_env": {"env_vars": env},
-        },
-        scheduling,
-    )
-
-
-def _with_scheduling(options: dict[str, Any], scheduling: Any) -> dict[str, Any]:
     if scheduling is not None:
         options["scheduling_strategy"] = scheduling
     return options
 
 
-def learner_rank_options(learner: dict[str, Any], scheduling: Any = None) -> dict[str, Any]:
-    """Ray options for one learner rank, or a separate critic rank or reference actor (the same
-    keys: ``num_cpus``, ``num_gpus``, ``custom``); ``scheduling``: its placement-group bundle."""
-    env = {"OMP_NUM_THREADS": str(max(1, int(learner["num_cpus"]))), "TOKENIZERS_PARALLELISM": "false"}
-    if not learner["num_gpus"]:
-        env["DS_ACCELERATOR"] = "cpu"
-    return _with_scheduling(
-        {
-            "num_cpus": learner["num_cpus"],
-            "num_gpus": learner["num_gpus"],
-            "resources": dict(learner.get("custom") or {}),
-            "runtime_env": {"env_vars": env},
-        },
-        scheduling,
-    )
-
-
-# What one process of each kind is called in messages.
-PROCESS_LABELS = {"actor": "actor", "learner": "learner rank", "critic": "critic rank", "reference": "reference actor"}
-
-
-def process_groups(resources: dict[str, Any]) -> list[tuple[str, str, int, dict[str, Any]]]:
-    """``(name prefix, config key, count, section)`` for each kind of process the plan places."""
-    groups = [
-        ("actor", "actors", resources["actors"]["count"], resources["actors"]),
-        ("learner", "learner", resources["learner"]["ranks"], resources["learner"]),
-    ]
-    if resources.get("critic"):  # as many critic ranks as learner ranks: they train on the same shards
-        groups.append(("critic", "critic", resources["learner"]["ranks"], resources["critic"]))
-    if resources.get("reference"):
-        groups.append(("reference", "reference", resources["reference"]["count"], resources["reference"]))
-    return groups
-
-
-def required_resources(resources: dict[str, Any]) -> dict[str, float]:
+def required_resources(kinds: list[ProcessKind]) -> dict[str, float]:
     need = {"CPU": 0.0, "GPU": 0.0}
-    for _, _, n, section in process_groups(resources):
-        need["CPU"] += n * section["num_cpus"]
-        need["GPU"] += n * section["num_gpus"]
-        for key, value in (section.get("custom") or {}).items():
-            need[key] = need.get(key, 0.0) + n * value
+    for k in kinds:
+        need["CPU"] += k.count * k.num_cpus
+        need["GPU"] += k.count * k.num_gpus
+        for key, value in k.custom.items():
+            need[key] = need.get(key, 0.0) + k.count * value
     return need
 
 
-def explain_sum(resources: dict[str, Any], kind: str) -> str:
-    """How the plan's total of ``kind`` (CPU or GPU) adds up, e.g. ``3 actors x 1 + 1 learner ranks x 1``."""
-    field = f"num_{kind.lower()}s"
-    return " + ".join(
-        f"{n} {PROCESS_LABELS[prefix]}s x {section[field]:g}" for prefix, _, n, section in process_groups(resources)
-    )
+def explain_sum(kinds: list[ProcessKind], resource: str) -> str:
+    """How the plan's total of ``resource`` (CPU or GPU) adds up, e.g. ``3 actors x 1 + 1 learner ranks x 1``."""
+    attr = f"num_{resource.lower()}s"
+    return " + ".join(f"{k.count} {k.label}s x {getattr(k, attr):g}" for k in kinds)
 
 
-def fix_hint(resources: dict[str, Any], kind: str) -> str:
-    """Which config keys lower the plan's ``kind`` total."""
-    keys = ["resources.actors.count", "resources.learner.ranks"]
-    if resources.get("reference"):
-        keys.append("resources.reference.count")
-    separate = [k for k in ("critic", "reference") if resources.get(k)]
-    hint = f"reduce {' or '.join(keys)}, or the per-process num_{kind.lower()}s"
-    if separate:
-        hint += f", or set resources.{'/'.join(separate)}.placement=colocated"
+def fix_hint(kinds: list[ProcessKind], resource: str) -> str:
+    """Which config keys lower the plan's ``resource`` total."""
+    keys = [k.count_key for k in kinds if k.count_key]
+    hint = f"reduce {' or '.join(keys)}, or the per-process num_{resource.lower()}s"
+    colocate = [k.colocate_hint for k in kinds if k.colocate_hint]
+    if colocate:
+        hint += f", or set {'/'.join(colocate)}=colocated"
     return hint
 
 
-def check_fits(resources: dict[str, Any], available: dict[str, float]) -> None:
+def check_fits(kinds: list[ProcessKind], available: dict[str, float]) -> None:
     """Raise ``PlacementError`` explaining what does not fit."""
-    for kind, amount in required_resources(resources).items():
-        have = available.get(kind, 0.0)
+    for resource, amount in required_resources(kinds).items():
+        have = available.get(resource, 0.0)
         if amount <= have + 1e-9:
             continue
-        if kind not in ("CPU", "GPU"):
+        if resource not in ("CPU", "GPU"):
             raise PlacementError(
-                f"{amount:g} of custom resource '{kind}' asked, {have:g} available: start nodes with "
-                f"--resources '{{\"{kind}\": N}}' or change resources.*.custom"
+                f"{amount:g} of custom resource '{resource}' asked, {have:g} available: start nodes with "
+                f"--resources '{{\"{resource}\": N}}' or change resources.*.custom"
             )
         raise PlacementError(
-            f"{amount:g} {kind}s asked ({explain_sum(resources, kind)}), {have:g} available: "
-            f"{fix_hint(resources, kind)}"
+            f"{amount:g} {resource}s asked ({explain_sum(kinds, resource)}), {have:g} available: "
+            f"{fix_hint(kinds, resource)}"
         )
 
 
-def local_ray_cpus(resources: dict[str, Any]) -> int:
-    """CPUs a local Ray should advertise: the machine's cores, or the plan's need if larger
-    (small CPU runs oversubscribe cores on purpose; the processes are mostly idle in turn)."""
-    if resources.get("local_num_cpus"):
-        return int(resources["local_num_cpus"])
-    need = required_resources(resources)["CPU"]
+def local_ray_cpus(kinds: list[ProcessKind], local_num_cpus: int | None = None) -> int:
+    """CPUs a local Ray should advertise: ``local_num_cpus``, else the machine's cores, or the plan's
+    need if larger (small CPU runs oversubscribe cores on purpose; the processes are mostly idle in turn)."""
+    if local_num_cpus:
+        return int(local_num_cpus)
+    need = required_resources(kinds)["CPU"]
     return max(os.cpu_count() or 1, int(-(-need // 1)))
 
 
-def plan_bundles(resources: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    """``(process name, bundle)`` for every process: actors, learner ranks, then separate
-    critic ranks and reference actors."""
-
-    def bundle(p: dict[str, Any]) -> dict[str, float]:
-        b = {"CPU": float(p["num_cpus"]), **{k: float(v) for k, v in (p.get("custom") or {}).items()}}
-        if p["num_gpus"]:
-            b["GPU"] = float(p["num_gpus"])
-        return b
-
-    return [(f"{prefix}-{i}", bundle(section)) for prefix, _, n, section in process_groups(resources) for i in range(n)]
+def plan_bundles(kinds: list[ProcessKind]) -> list[tuple[str, dict[str, float]]]:
+    """``(process name, bundle)`` for every process, kind by kind."""
+    return [(name, k.bundle()) for k in kinds for name in k.names()]
 
 
-def describe_plan(resources: dict[str, Any], nodes: list[dict] | None = None) -> str:
+def describe_plan(kinds: list[ProcessKind], strategy: str, nodes: list[dict] | None = None) -> str:
     """The placement as text: one line per process, totals, and the cluster's nodes if known."""
-    lines = [f"placement group: strategy {resources['strategy']}, {len(plan_bundles(resources))} bundles"]
-    tp = resources["actors"].get("tensor_parallel", 1)
-    shards = f"  (vLLM tensor parallel {tp})" if tp > 1 else ""
-    lines += [
-        f"  {name:<12} {_fmt(b)}{shards if name.startswith('actor-') else ''}" for name, b in plan_bundles(resources)
-    ]
-    lines.append(f"  {'total':<12} {_fmt(required_resources(resources))}")
+    lines = [f"placement group: strategy {strategy}, {len(plan_bundles(kinds))} bundles"]
+    for k in kinds:
+        note = f"  ({k.note})" if k.note else ""
+        lines += [f"  {name:<12} {_fmt(k.bundle())}{note}" for name in k.names()]
+    lines.append(f"  {'total':<12} {_fmt(required_resources(kinds))}")
     if nodes is not None:
         lines.append(f"cluster: {len(nodes)} node(s)")
         for n in nodes:
@@ -181,23 +135,23 @@ def _fmt(resources: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if v)
 
 
-def reserve(resources: dict[str, Any]):
+def reserve(kinds: list[ProcessKind], strategy: str, timeout_s: float) -> dict[str, Any]:
     """Create the placement group and wait for it; returns each process's scheduling strategy
     by name (``actor-0``, ``learner-0``, ...). Raises ``PlacementError`` naming what does not fit."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    named = plan_bundles(resources)
-    pg = placement_group([b for _, b in named], strategy=resources["strategy"])
-    if not pg.wait(timeout_seconds=resources["placement_timeout_s"]):
+    named = plan_bundles(kinds)
+    pg = placement_group([b for _, b in named], strategy=strategy)
+    if not pg.wait(timeout_seconds=timeout_s):
         remove_placement_group(pg)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         raise PlacementError(
-            f"Ray could not place the plan within {resources['placement_timeout_s']:.0f}s "
-            f"({len(named)} bundles, strategy {resources['strategy']}): no node has room for some bundle. "
-            "Check `tandem plan` against the nodes; reduce resources.actors.count, the per-process "
-            "num_cpus/num_gpus/custom, or use resources.strategy=SPREAD. "
+            f"Ray could not place the plan within {timeout_s:.0f}s "
+            f"({len(named)} bundles, strategy {strategy}): no node has room for some bundle. "
+            f"Check `tandem plan` against the nodes; reduce {' or '.join(k.count_key for k in kinds if k.count_key)}, "
+            "the per-process num_cpus/num_gpus/custom, or use resources.strategy=SPREAD. "
             f"Nodes: {'; '.join(_fmt(n['Resources']) for n in nodes)}"
         )
     return {

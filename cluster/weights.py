@@ -1,20 +1,19 @@
-"""The weight channel: learner rank 0 publishes versioned weights, actors pull them.
+"""The Ray and in-process weight channels (the interface is ``cluster/channel.py``).
 
-One small interface with swappable backends, picked by ``build_weight_channel``:
-- ``"ray"``: weights are a Ray object (put by learner rank 0 as ``FlatWeights``); a tiny
-  store actor holds the newest version and its reference, so any actor on any node can pull.
-- ``"local"``: the same methods over an in-process variable, for tests.
-Actors pull between generate calls; ``fetch`` waits for a minimum version with a
-deadline and raises ``WeightsTimeout`` naming the versions instead of hanging.
+- ``RayWeightChannel``: learner rank 0 puts the weights into Ray's object store as
+  ``FlatWeights``; a small async store actor holds the newest version and its reference and
+  wakes every actor waiting for a version (no polling), so any actor on any node can fetch.
+- ``LocalWeightChannel``: the same over an in-process variable, for tests.
+``NewestWeights`` is the receiving side every in-process channel shares.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
 from typing import Any
 
-NamedTensors = list  # [(hf_parameter_name, tensor), ...]
+from cluster.channel import ChannelClosed, NamedTensors, WeightsTimeout
 
 
 class FlatWeights:
@@ -58,10 +57,6 @@ class FlatWeights:
             ]
 
 
-class WeightsTimeout(TimeoutError):
-    """No weights of the required version arrived within the deadline."""
-
-
 class NewestWeights:
     """The receiving side of every in-process channel: the newest (version, weights) seen, whether
     the channel has ended (closed, or failed with a reason), and a wait for a minimum version
@@ -95,42 +90,89 @@ class NewestWeights:
             return (self.version, self.weights) if self.version >= min_version else None
 
 
+class NewestReceiver:
+    """What every in-process receiving end answers from its ``NewestWeights`` (``self._newest``)."""
+
+    _newest: NewestWeights
+
+    def latest_version(self) -> int:
+        return self._newest.version
+
+    def is_closed(self) -> bool:
+        return self._newest.closed
+
+
 class _WeightStore:
-    """Ray actor state: the newest version and a reference to its weights."""
+    """Ray actor state (an async actor, so waiting calls do not block each other): the newest
+    version and a reference to its weights."""
 
     def __init__(self):
         self.version = 0
         self.ref_box: list = []  # [ObjectRef] (boxed so Ray passes the reference, not the value)
         self.closed = False
+        self.changed = asyncio.Condition()
 
-    def publish(self, version: int, ref_box: list) -> None:
-        if version > self.version:
-            self.version, self.ref_box = version, ref_box
+    async def publish(self, version: int, ref_box: list) -> None:
+        async with self.changed:
+            if version > self.version:
+                self.version, self.ref_box = version, ref_box
+                self.changed.notify_all()
 
-    def latest(self) -> tuple[int, list, bool]:
-        return self.version, self.ref_box, self.closed
+    async def wait(self, min_version: int, timeout: float) -> tuple[int, list, bool]:
+        """(version, [ref], closed) once version >= ``min_version`` or the channel closed, or at the deadline."""
+        async with self.changed:
+            try:
+                await asyncio.wait_for(
+                    self.changed.wait_for(lambda: self.version >= min_version or self.closed), timeout
+                )
+            except asyncio.TimeoutError:
+                pass
+            return self.version, self.ref_box, self.closed
 
-    def close(self) -> None:
-        self.closed = True
+    def latest(self) -> tuple[int, bool]:
+        return self.version, self.closed
+
+    async def close(self) -> None:
+        async with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+
+def _missed(min_version: int, newest: int, timeout: float, closed: bool) -> WeightsTimeout:
+    if closed:
+        return ChannelClosed(f"the weight channel closed before policy version {min_version} (newest {newest})")
+    return WeightsTimeout(
+        f"waited {timeout:.0f}s for policy version {min_version}, newest published is {newest}; "
+        "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
+    )
 
 
 class RayWeightChannel:
-    """Handle to the store actor; picklable, so actors receive it as an argument."""
+    """Handle to the store actor; picklable, so it is both the publisher (on learner rank 0) and
+    every actor's receiver."""
 
     def __init__(self, actor_options: dict | None = None):
         import ray
 
-        options = {"num_cpus": 0, **(actor_options or {})}
+        options = {"num_cpus": 0, "max_concurrency": 1000, **(actor_options or {})}
         self._store = ray.remote(_WeightStore).options(**options).remote()
 
-    def publish(self, version: int, weights: Any) -> None:
-        """``weights``: an ObjectRef to ``FlatWeights`` (preferred: put where the weights are) or
-        the NamedTensors themselves."""
+    # --- publisher ---------------------------------------------------------------------------
+    def publish(self, version: int, weights: NamedTensors) -> None:
+        """Put ``weights`` into the object store here (one copy; same-node actors read it in place)."""
         import ray
 
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(FlatWeights(weights))
-        ray.get(self._store.publish.remote(version, [ref]))
+        ray.get(self._store.publish.remote(version, [ray.put(FlatWeights(weights))]))
 
+    def receivers(self, names: list[str]) -> list[RayWeightChannel]:
+        return [self] * len(names)
+
+    def close(self) -> None:
+        import ray
+
+        ray.get(self._store.close.remote())
+
+    # --- receiver ----------------------------------------------------------------------------
     def latest_version(self) -> int:
         import ray
 
@@ -139,34 +181,22 @@ class RayWeightChannel:
     def is_closed(self) -> bool:
         import ray
 
-        return ray.get(self._store.latest.remote())[2]
+        return ray.get(self._store.latest.remote())[1]
 
     def fetch(self, min_version: int, timeout: float) -> tuple[int, NamedTensors | None]:
         """Newest (version, weights) once version >= ``min_version``; version 0 means the initial weights."""
         import ray
 
-        deadline = time.monotonic() + timeout
-        while True:
-            version, box, closed = ray.get(self._store.latest.remote())
-            if version >= min_version:
-                if not box:
-                    return version, None
-                return version, ray.get(box[0], timeout=max(1.0, deadline - time.monotonic())).tensors()
-            if closed or time.monotonic() > deadline:
-                raise WeightsTimeout(
-                    f"waited {timeout:.0f}s for policy version {min_version}, newest published is {version}; "
-                    "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
-                )
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        import ray
-
-        ray.get(self._store.close.remote())
+        version, box, closed = ray.get(self._store.wait.remote(min_version, timeout), timeout=timeout + 30)
+        if version < min_version:
+            raise _missed(min_version, version, timeout, closed)
+        if not box:
+            return version, None
+        return version, ray.get(box[0], timeout=max(timeout, 30.0)).tensors()
 
 
-class LocalWeightChannel:
-    """The same channel inside one process."""
+class LocalWeightChannel(NewestReceiver):
+    """The same channel inside one process: publisher and receiver at once."""
 
     def __init__(self):
         self._newest = NewestWeights()
@@ -174,28 +204,14 @@ class LocalWeightChannel:
     def publish(self, version: int, weights: NamedTensors) -> None:
         self._newest.offer(version, weights)
 
-    def latest_version(self) -> int:
-        return self._newest.version
-
-    def is_closed(self) -> bool:
-        return self._newest.closed
+    def receivers(self, names: list[str]) -> list[LocalWeightChannel]:
+        return [self] * len(names)
 
     def fetch(self, min_version: int, timeout: float) -> tuple[int, NamedTensors | None]:
         got = self._newest.wait(min_version, timeout)
         if got is None:
-            raise WeightsTimeout(
-                f"waited {timeout:.0f}s for policy version {min_version}, newest published is {self._newest.version}"
-            )
+            raise _missed(min_version, self._newest.version, timeout, self._newest.closed)
         return got
 
     def close(self) -> None:
         self._newest.end()
-
-
-def build_weight_channel(backend: str) -> Any:
-    """``"ray"`` or ``"local"``."""
-    if backend == "ray":
-        return RayWeightChannel()
-    if backend == "local":
-        return LocalWeightChannel()
-    raise ValueError(f"unknown weight channel backend {backend!r}; use 'ray' or 'local'")

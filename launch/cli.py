@@ -27,9 +27,9 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 # Errors that are the user's to fix: printed as one line, no traceback.
 def _user_errors() -> tuple[type[BaseException], ...]:
     from actors.rewards import RewardSpecError
+    from cluster.channel import WeightsTimeout
     from cluster.dist_channel import WeightPushError
     from cluster.placement import PlacementError
-    from cluster.weights import WeightsTimeout
     from launch.build import StartupError
     from launch.stepping import ActorFailed, DataTimeout
     from launch.submit import LaunchError, SubmitError
@@ -69,17 +69,16 @@ def reward_summary(metrics_path: Path) -> dict[str, float]:
 
 def run_training(config_path: str | Path, overrides: list[str]) -> int:
     from actors.rewards import load_reward_function
-    from launch.build import prepare_model
+    from launch.build import load_prompt_rows, prepare_model
     from launch.run_dir import RunLog, format_seconds
     from launch.train import train
-    from queues.prompts import load_rows
 
     started = time.monotonic()
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
     load_reward_function(cfg.reward.function)
-    rows = load_rows(cfg.data.prompts, cfg.data.num_rows, cfg.run.seed)
-    model_path = prepare_model(cfg.model.model_dump())
+    rows = load_prompt_rows(cfg.data, cfg.run.seed)
+    model_path = prepare_model(cfg.model)
     run = RunLog.create(cfg.run.output_dir, cfg.run.name, cfg.model_dump(mode="json"), cfg.run.steps)
     try:
         details = asyncio.run(train(cfg, run, rows, model_path))
@@ -150,19 +149,21 @@ def _render_launcher(args: argparse.Namespace) -> int:
 def show_plan(config_path: str, overrides: list[str], address: str | None) -> int:
     """``tandem plan``: the placement, checked against a running cluster when ``--address`` is given."""
     from cluster.placement import check_fits, describe_plan, local_ray_cpus
+    from launch.plan import build_plan
 
     cfg = load_config(config_path, overrides)
-    resources = cfg.placement()
+    kinds, strategy = build_plan(cfg).kinds, cfg.resources.strategy
     if not address:
-        print(describe_plan(resources))
-        print(f"local Ray would advertise {local_ray_cpus(resources)} CPUs (pass --address to check a cluster)")
+        print(describe_plan(kinds, strategy))
+        cpus = local_ray_cpus(kinds, cfg.resources.local_num_cpus)
+        print(f"local Ray would advertise {cpus} CPUs (pass --address to check a cluster)")
         return 0
     import ray
 
     ray.init(address=address, log_to_driver=False)
     try:
-        print(describe_plan(resources, [n for n in ray.nodes() if n["Alive"]]))
-        check_fits(resources, ray.cluster_resources())
+        print(describe_plan(kinds, strategy, [n for n in ray.nodes() if n["Alive"]]))
+        check_fits(kinds, ray.cluster_resources())
         print("fits: the cluster's totals cover the plan (Ray still places each bundle on one node)")
     finally:
         ray.shutdown()

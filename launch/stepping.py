@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from queues.messages import TrajectoryGroup
 
@@ -42,17 +44,17 @@ class Pace:
         async with self._changed:
             await self._changed.wait_for(lambda: prompt_id < self.allowance())
 
-    async def _notify(self) -> None:
+    async def advance(self, version: int) -> None:
+        """Version ``version`` is published: the allowance grows by ``P``."""
         async with self._changed:
+            self.version = version
             self._changed.notify_all()
 
-    def advance(self, version: int) -> None:
-        self.version = version
-        asyncio.get_running_loop().create_task(self._notify())
-
-    def drop(self) -> None:
-        self.dropped += 1
-        asyncio.get_running_loop().create_task(self._notify())
+    async def drop(self) -> None:
+        """A group was dropped as too stale: one more prompt may be admitted in its place."""
+        async with self._changed:
+            self.dropped += 1
+            self._changed.notify_all()
 
 
 @dataclass
@@ -65,52 +67,64 @@ class Batch:
 
 
 class BatchCollector:
-    """Pulls groups from the results queue until a step's batch is complete."""
+    """Pulls groups from the results queue until a step's batch is complete. ``actor_loops``:
+    each generation actor's ``run`` reference by actor name; one that ends during a run failed."""
 
-    def __init__(self, results_queue, actor_loops: dict, run, timeout: float, on_drop: Callable[[], None]):
-        self.queue, self.actor_loops, self.run = results_queue, actor_loops, run
+    def __init__(self, results_queue, actor_loops: dict, run, timeout: float, on_drop: Callable[[], Awaitable]):
+        self.queue, self.run = results_queue, run
         self.timeout, self.on_drop = timeout, on_drop
+        # an awaitable per actor loop, created once: waiting on them is how a dead actor is noticed
+        self.loops = {asyncio.ensure_future(ref): name for ref, name in actor_loops.items()}
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
         start = time.monotonic()
+        deadline = start + self.timeout
         batch = Batch(groups=[], step=step, dropped=0, wait_s=0.0)
         while len(batch.groups) < num_groups:
-            got = await self.queue.get_batch_async(num_groups - len(batch.groups), timeout=1.0)
-            for group in got:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DataTimeout(
+                    f"step {step}: only {len(batch.groups)} of {num_groups} prompt groups arrived in "
+                    f"{self.timeout:.0f}s (run.data_timeout_s); see the actor logs in {self.run.logs}"
+                )
+            got = asyncio.ensure_future(self.queue.get_batch_async(num_groups - len(batch.groups), timeout=left))
+            await asyncio.wait({got, *self.loops}, return_when=asyncio.FIRST_COMPLETED)
+            if not got.done():
+                got.cancel()
+                self.check_actors()
+            for group in got.result():
                 if step - group.oldest_version > max_staleness:
                     batch.dropped += 1  # never trained on: counted and replaced
-                    self.on_drop()
+                    await self.on_drop()
                     continue
                 batch.groups.append(group)
-            if not got:
-                self.check_actors()
-                if time.monotonic() - start > self.timeout:
-                    raise DataTimeout(
-                        f"step {step}: only {len(batch.groups)} of {num_groups} prompt groups arrived in "
-                        f"{self.timeout:.0f}s (run.data_timeout_s); see the actor logs in {self.run.logs}"
-                    )
         batch.groups.sort(key=lambda g: g.prompt_id)  # arrival order must not change the result
         for group in batch.groups:
             for traj in group.trajectories:
-                batch.staleness.update(step - v for v in traj.policy_versions)
+                ages, counts = np.unique(step - traj.policy_versions.astype(np.int64), return_counts=True)
+                batch.staleness.update(dict(zip(ages.tolist(), counts.tolist())))
         batch.wait_s = time.monotonic() - start
         return batch
 
+    def close(self) -> None:
+        """Stop watching the actor loops (the run is ending): a loop that ended with an error has
+        been reported, or the run failed for another reason first."""
+        for loop in self.loops:
+            if loop.done() and not loop.cancelled():
+                loop.exception()  # retrieved: not logged again as "never retrieved"
+            else:
+                loop.cancel()
+
     def check_actors(self) -> None:
         """An actor loop only returns after shutdown; one that has ended now has failed."""
-        if not self.actor_loops:
-            return
-        import ray
-
-        done, _ = ray.wait(list(self.actor_loops), num_returns=len(self.actor_loops), timeout=0)
-        for ref in done:
-            name = self.actor_loops[ref]
-            try:
-                ray.get(ref)
+        for loop, name in self.loops.items():
+            if not loop.done():
+                continue
+            if loop.exception() is None:
                 cause = "its loop returned early"
-            except Exception as exc:
-                text = str(exc).strip()
-                cause = text.splitlines()[-1] if text else type(exc).__name__
+            else:
+                text = str(loop.exception()).strip()
+                cause = text.splitlines()[-1] if text else type(loop.exception()).__name__
             raise ActorFailed(f"{name} stopped: {cause}; full log: {self.run.log_path(name)}")
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.placement import PROCESS_LABELS, explain_sum, process_groups, required_resources
+from cluster.placement import explain_sum, required_resources
 from launch.config import TandemConfig, parse_overrides
+from launch.plan import build_plan
 
 # Never shipped to the cluster: the local environment, earlier runs, history, bytecode.
 WORKING_DIR_EXCLUDES = [".venv", "runs", ".git", "__pycache__"]
@@ -56,22 +57,23 @@ def check_allocation(cfg: TandemConfig, *, machines: int, gpus_each: int, cpus_e
 
     ``unit`` names a machine in the message ("nodes", "worker pods"); ``fix`` names the launcher flags to raise.
     """
-    plan = cfg.placement()
-    need = required_resources(plan)
-    for kind, each in (("GPU", gpus_each), ("CPU", cpus_each)):
-        field = f"num_{kind.lower()}s"
+    kinds = build_plan(cfg).kinds
+    need = required_resources(kinds)
+    for resource, each in (("GPU", gpus_each), ("CPU", cpus_each)):
+        field = f"num_{resource.lower()}s"
         have = machines * each
-        if need[kind] > have + 1e-9:
+        if need[resource] > have + 1e-9:
             raise LaunchError(
-                f"the plan needs {need[kind]:g} {kind}s ({explain_sum(plan, kind)}) but {machines} {unit} x "
-                f"{each} {kind}s = {have:g}; {fix}, or lower resources.actors.count / resources.learner.ranks"
+                f"the plan needs {need[resource]:g} {resource}s ({explain_sum(kinds, resource)}) but {machines} "
+                f"{unit} x {each} {resource}s = {have:g}; {fix}, or lower resources.actors.count / "
+                "resources.learner.ranks"
             )
         # Ray places each process on one machine: a process larger than a machine never starts.
-        for prefix, key, _, section in process_groups(plan):
-            if section[field] > each + 1e-9:
+        for kind in kinds:
+            if getattr(kind, field) > each + 1e-9:
                 raise LaunchError(
-                    f"one {PROCESS_LABELS[prefix]} asks for {section[field]:g} {kind}s but each of the {unit} "
-                    f"has {each}; {fix}, or lower resources.{key}.{field}"
+                    f"one {kind.label} asks for {getattr(kind, field):g} {resource}s but each of the {unit} "
+                    f"has {each}; {fix}, or lower {kind.section}.{field}"
                 )
 
 

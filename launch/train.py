@@ -15,9 +15,11 @@ import asyncio
 import time
 from typing import Any
 
-from cluster.placement import process_groups, reserve
-from launch.build import build_generation_actors, build_learner_group, build_weight_path, start_ray
+from actors.spec import ActorTimeouts
+from cluster.placement import reserve
+from launch.build import build_generation_actors, build_learner_group, start_ray
 from launch.config import TandemConfig
+from launch.plan import build_plan
 from launch.run_dir import RunLog
 from launch.stepping import BatchCollector, Pace, step_metrics
 from queues.bounded import build_queue
@@ -26,29 +28,29 @@ from queues.prompts import PromptStream
 
 
 async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str) -> dict[str, Any]:
-    plan = cfg.placement()
-    start_ray(plan)
-    # separate critic ranks / reference actors: every kind of process after the actors and learner ranks
-    extra = "".join(f", {n} separate {prefix} process(es)" for prefix, _, n, _ in process_groups(plan)[2:])
+    plan = build_plan(cfg)
+    start_ray(cfg)
+    extra = "".join(f", {k.count} separate {k.prefix} process(es)" for k in (plan.critic, plan.reference) if k)
     run.say(
-        f"run directory: {run.root}\nstarting {cfg.resources.actors.count} generation actor(s) and "
-        f"{cfg.resources.learner.ranks} learner rank(s){extra} ..."
+        f"run directory: {run.root}\nstarting {plan.actors.count} generation actor(s) and "
+        f"{plan.learner.count} learner rank(s){extra} ..."
     )
 
     P, k, steps = cfg.rollout.prompts_per_step, cfg.run.max_staleness, cfg.run.steps
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
     results_queue = build_queue("ray", "results", maxsize=P * (k + 2))
-    scheduling = reserve(plan)  # one placement group: a bundle per process
+    scheduling = reserve(plan.kinds, cfg.resources.strategy, cfg.resources.placement_timeout_s)
     actors, learner = await asyncio.gather(
         build_generation_actors(cfg, model_path, run, scheduling),
         build_learner_group(cfg, model_path, run, scheduling),
     )
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
-    weights = await build_weight_path(cfg, learner, len(actors))  # Ray object store or a distributed broadcast
-    timeouts = {"data_s": cfg.run.data_timeout_s, "weights_s": cfg.run.weights_timeout_s}
+    names = plan.actors.names()
+    channels = await learner.open_weight_channel(cfg.weights, names, cfg.run.startup_timeout_s)
+    timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
     actor_loops = {
-        a.run.remote(prompt_queue, results_queue, weights.channels[i], timeouts): f"actor-{i}"
-        for i, a in enumerate(actors)
+        a.run.remote(prompt_queue, results_queue, channel, timeouts): name
+        for a, channel, name in zip(actors, channels, names, strict=True)
     }
     pace = Pace(prompts_per_step=P, max_staleness=k)
     run.say(f"training {steps} steps: {P} prompts x {cfg.rollout.group_size} samples per step, max staleness {k}")
@@ -61,21 +63,30 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
 
     async def training_loop() -> None:
         collector = BatchCollector(results_queue, actor_loops, run, cfg.run.data_timeout_s, on_drop=pace.drop)
-        for step in range(steps):
-            t0 = time.monotonic()
-            batch = await collector.collect(P, step=step, max_staleness=k)
-            learner_metrics = await learner.train_step(batch.groups)
-            await weights.publish(step + 1)
-            pace.advance(step + 1)  # policy version step + 1 is now on the channel
-            run.step(step, step_metrics(batch, learner_metrics, time.monotonic() - t0))
+        try:
+            for step in range(steps):
+                t0 = time.monotonic()
+                batch = await collector.collect(P, step=step, max_staleness=k)
+                learner_metrics = await learner.train_step(batch.groups)
+                await learner.publish_weights(step + 1)
+                await pace.advance(step + 1)  # policy version step + 1 is now on the channel
+                run.step(step, step_metrics(batch, learner_metrics, time.monotonic() - t0))
+        finally:
+            collector.close()
 
     rollout = asyncio.create_task(rollout_loop())
     try:
         await training_loop()
     finally:
         rollout.cancel()
-        await weights.close()
-    try:  # actor loops end once the channel closes; a stuck one is left to Ray's shutdown
+        # Weights first (a distributed receiver tears its group down on the close header), then the
+        # queues: every actor waiting on them wakes with QueueClosed and its loop returns.
+        for close in (learner.close_weight_channel, prompt_queue.close, results_queue.close):
+            try:
+                await close()
+            except Exception as exc:  # a failed run's own error matters more than a failed close
+                run.say(f"while stopping: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+    try:
         finals = await asyncio.wait_for(
             asyncio.gather(*actor_loops, return_exceptions=True), timeout=cfg.run.weights_timeout_s
         )

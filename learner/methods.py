@@ -1,8 +1,9 @@
 """The policy-gradient methods Tandem carries, chosen once by ``algorithm.name``.
 
-A ``Method`` names how rewards become advantages (``learner/returns.py``), which
-per-token policy loss the ranks minimise (``learner/algorithms/policy_losses.py``),
-how token losses are averaged, its default clip range, and whether it needs a critic.
+A ``Method`` carries its behaviour, not names: the advantage estimator it builds
+(``learner/estimators.py``), the per-token policy loss the ranks minimise
+(``learner/algorithms/policy_losses.py``), how token losses are averaged, its default clip
+range, and what it needs (a critic, per-step rewards). Adding a method is one entry here.
 
 | method        | advantages                         | loss      | aggregation  |
 | ------------- | ---------------------------------- | --------- | ------------ |
@@ -18,32 +19,60 @@ how token losses are averaged, its default clip range, and whether it needs a cr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+from learner.algorithms import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from learner.algorithms.policy_losses import PolicyLoss, cispo_loss, gspo_loss, ppo_clip_loss, vanilla_pg_loss
+from learner.estimators import (
+    AdvantageEstimator,
+    GeneralizedAdvantage,
+    GroupOutcome,
+    ProcessSteps,
+    ReinforceBaseline,
+)
 
-from learner.algorithms import get_kl_estimator, get_policy_loss, tis_weights, token_weights
+if TYPE_CHECKING:
+    from learner.config import AlgorithmConfig
+
+EstimatorFactory = Callable[["AlgorithmConfig"], AdvantageEstimator]
 
 
 @dataclass(frozen=True)
 class Method:
-    advantage: str  # estimator name in learner/returns.py
-    loss: str  # policy loss name in learner/algorithms/policy_losses.py
+    estimator: EstimatorFactory  # builds the advantage estimator from the algorithm section
+    loss: PolicyLoss  # l_t(logprobs, old_logprobs, advantages, mask, weights, **clip)
     aggregation: str  # token_mean | seq_mean | fixed_length
-    clip: tuple[float, float]  # default (eps_low, eps_high)
-    needs_critic: bool = False
+    clip: tuple[float, float] | None = (0.2, 0.2)  # default (eps_low, eps_high); None: the loss has no ratio clip
+    dual_clip: bool = False  # the loss takes algorithm.dual_clip (PPO's clipped surrogate)
+    needs_critic: bool = False  # trains a value model (V_old for GAE)
+    per_step_rewards: bool = False  # the reward function scores each reasoning step (process supervision)
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether a per-token KL can be placed in the reward: per-step rewards have no last-token slot."""
+        return not self.per_step_rewards
+
+
+def _grpo(a: AlgorithmConfig) -> AdvantageEstimator:
+    eps = a.advantage_eps
+    return GroupOutcome(lambda rewards, group_size: grpo_advantages(rewards, group_size, eps))
 
 
 METHODS: dict[str, Method] = {
-    "reinforce": Method("reinforce", "vanilla_pg", "token_mean", (0.2, 0.2)),
-    "rloo": Method("rloo", "ppo_clip", "token_mean", (0.2, 0.2)),
-    "grpo": Method("grpo", "ppo_clip", "token_mean", (0.2, 0.2)),
-    "grpo_process": Method("grpo_process", "ppo_clip", "token_mean", (0.2, 0.2)),
-    "dr_grpo": Method("dr_grpo", "ppo_clip", "fixed_length", (0.2, 0.2)),
-    "gspo": Method("grpo", "gspo", "seq_mean", (3e-4, 4e-4)),
-    "cispo": Method("grpo", "cispo", "token_mean", (1.0, 0.2)),
-    "ppo": Method("gae", "ppo_clip", "token_mean", (0.2, 0.2), needs_critic=True),
+    "reinforce": Method(lambda a: ReinforceBaseline(a.gamma), vanilla_pg_loss, "token_mean", clip=None),
+    "rloo": Method(lambda a: GroupOutcome(rloo_advantages), ppo_clip_loss, "token_mean", dual_clip=True),
+    "grpo": Method(_grpo, ppo_clip_loss, "token_mean", dual_clip=True),
+    "grpo_process": Method(
+        lambda a: ProcessSteps(a.advantage_eps), ppo_clip_loss, "token_mean", dual_clip=True, per_step_rewards=True
+    ),
+    "dr_grpo": Method(lambda a: GroupOutcome(dr_grpo_advantages), ppo_clip_loss, "fixed_length", dual_clip=True),
+    "gspo": Method(_grpo, gspo_loss, "seq_mean", clip=(3e-4, 4e-4)),
+    "cispo": Method(_grpo, cispo_loss, "token_mean", clip=(1.0, 0.2)),
+    "ppo": Method(
+        lambda a: GeneralizedAdvantage(a.gamma, a.lam), ppo_clip_loss, "token_mean", dual_clip=True, needs_critic=True
+    ),
 }
 
 
@@ -51,76 +80,3 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(METHODS)}")
     return METHODS[name]
-
-
-def aggregation_of(algorithm: dict[str, Any]) -> str:
-    return algorithm.get("loss_aggregation") or get_method(algorithm["name"]).aggregation
-
-
-def build_objective(algorithm: dict[str, Any]):
-    """``objective(learner_logprobs [b,T], batch, minibatch, kl_beta) -> (loss, metrics)``.
-
-    The old policy is the learner's log-probs before this batch's first update (computed
-    up front when there are several updates per batch; otherwise the current log-probs,
-    detached, which makes the ratio 1 and the loss the plain policy gradient).
-    Truncated importance sampling multiplies the policy term's token weights by
-    ``min(pi_learner / pi_sampler, C)`` (or masks), correcting for the sampler's staleness;
-    it stacks with PPO's own ratio against the old policy. A KL loss term
-    ``beta * sum_t w_t KL_t`` is added when ``kl.placement == "loss"``.
-    """
-    method = get_method(algorithm["name"])
-    policy_loss = get_policy_loss(method.loss)
-    aggregation = aggregation_of(algorithm)
-    eps_low = algorithm["clip_eps_low"] if algorithm["clip_eps_low"] is not None else method.clip[0]
-    eps_high = algorithm["clip_eps_high"] if algorithm["clip_eps_high"] is not None else method.clip[1]
-    clip = {} if method.loss == "vanilla_pg" else {"eps_low": eps_low, "eps_high": eps_high}
-    if algorithm.get("dual_clip") is not None and method.loss == "ppo_clip":
-        clip["dual_clip"] = algorithm["dual_clip"]
-    tis = algorithm["tis"]
-    kl = algorithm["kl"]
-    kl_in_loss = kl["placement"] == "loss"
-    kl_estimator = get_kl_estimator(kl["estimator"]) if kl_in_loss else None
-
-    def objective(learner_logprobs, batch, minibatch, kl_beta: float):
-        weights = token_weights(
-            batch.completion_mask,
-            aggregation,
-            num_tokens=minibatch.num_tokens,
-            num_sequences=minibatch.num_sequences,
-            max_len=minibatch.max_len,
-        )
-        old = batch.old_logprobs if batch.old_logprobs is not None else learner_logprobs.detach()
-        policy_weights, metrics = weights, {}
-        if tis["mode"] != "none":  # correct for the sampler's (stale) policy: w_t *= min(rho_t, C) or a 0/1 mask
-            is_weights, metrics = tis_weights(
-                learner_logprobs.detach(),
-                batch.sampler_logprobs,
-                batch.completion_mask,
-                cap=tis["cap"],
-                level=tis["level"],
-                mode=tis["mode"],
-            )
-            policy_weights = weights * is_weights
-        loss, loss_metrics = policy_loss(
-            learner_logprobs, old, batch.advantages, batch.completion_mask, policy_weights, **clip
-        )
-        metrics.update(loss_metrics)
-        if kl_in_loss:
-            kl_t = kl_estimator(learner_logprobs, batch.ref_logprobs, batch.completion_mask)  # [b, T]
-            loss = loss + kl_beta * (kl_t * weights).sum()  # + beta * sum_t w_t KL_t
-            n = batch.completion_mask.sum().clamp(min=1)
-            metrics["kl_ref"] = ((kl_t * batch.completion_mask).sum() / n).detach()
-        return loss, metrics
-
-    return objective
-
-
-def value_weights(batch, minibatch, algorithm: dict[str, Any]) -> torch.Tensor:
-    """The critic's loss uses the same aggregation and normalisers as the policy."""
-    return token_weights(
-        batch.completion_mask,
-        aggregation_of(algorithm),
-        num_tokens=minibatch.num_tokens,
-        num_sequences=minibatch.num_sequences,
-        max_len=minibatch.max_len,
-    )

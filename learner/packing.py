@@ -1,10 +1,9 @@
 """Sequence packing: padding-free micro-batches, balanced by tokens over data-parallel ranks.
 
-Padded batching (``learner/batch.py:pad_sequences``) lays a micro-batch out as ``[b, L]``
-rows padded to the longest sequence; with long-tailed completion lengths (most short, a
-few at the length limit) most of those slots are padding. Packing instead concatenates a
-micro-batch's sequences into ONE row ``[1, sum_i len_i]`` with no padding inside, and
-keeps them from seeing each other with
+Padded batching lays a micro-batch out as ``[b, L]`` rows padded to the longest sequence;
+with long-tailed completion lengths (most short, a few at the length limit) most of those
+slots are padding. Packing instead concatenates a micro-batch's sequences into ONE row
+``[1, sum_i len_i]`` with no padding inside, and keeps them from seeing each other with
 
 * ``position_ids`` restarting at 0 at every sequence (RoPE sees each sequence alone), and
 * a block-diagonal causal attention mask: token ``q`` may attend to key ``k`` iff both
@@ -24,24 +23,26 @@ and ``eager``; ``tests/test_packing.py`` holds packed == unpadded to 1e-5):
   ``attention_mask is None`` and there is no KV cache, so the call MUST pass
   ``use_cache=False``: with the default cache the detection is silently skipped and
   sequences attend across each other (max logit error 0.85 on the tiny model).
-  ``PackedBatch.model_inputs()`` always passes ``use_cache=False``.
+  ``PackedInputs.model_inputs()`` always passes ``use_cache=False``.
 
 Micro-batch planning (``plan_micro_batches``) assigns sequences to ranks longest-first
 onto the least-loaded rank (LPT, Graham 1969: max - min rank tokens <= longest
 sequence), then into micro-batches of at most ``token_budget`` tokens per rank by
 first-fit decreasing, and pads every rank to the same number of micro-batches.
+
+Sequences come from a ``TokenShard`` (flat arrays, ``learner/shard.py``); ``pack_range`` packs
+a contiguous range of them. The completion-side tensors (mask, advantages, log-probs) are not
+part of a packed micro-batch: they live in the rank's ``[n, T]`` table (``learner/rank_batch.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from learner.batch import TrainSequence, pad_rows
-
-_OPTIONAL = ("old_logprobs", "ref_logprobs", "returns", "old_values")
-
+from learner.shard import TokenShard
 
 # ---------------------------------------------------------------------------------------
 # planning
@@ -55,10 +56,10 @@ def plan_micro_batches(
 
     ``lengths[i]`` is sequence i's prompt + completion token count. Returns
     ``plan[rank][minibatch][micro] -> sorted list of sequence indices`` (the nesting of
-    ``LearnerShard.minibatches[m].micro_batches[k]``):
+    ``RankShard.micro_sizes[m][k]``):
 
     * minibatch m holds the contiguous index range ``[m n / M, (m+1) n / M)`` (sizes differ
-      by at most 1), as ``shard_sequences`` does: one optimizer step each;
+      by at most 1), one optimizer step each;
     * within a minibatch, sequences go longest-first to the rank with the fewest tokens so
       far (ties: lower index first, lower rank first), which keeps
       ``max_r tokens_r - min_r tokens_r <= max_i len_i``;
@@ -68,8 +69,8 @@ def plan_micro_batches(
     * every rank gets the same number of micro-batches in a minibatch (at least 1): ranks
       with fewer get EMPTY micro-batches ``[]`` appended. The learner must still run a
       forward and a backward for an empty micro-batch, because ZeRO gathers parameters in
-      forward and reduces gradients in backward collectively: ``pack_sequences([])`` gives
-      a 2-token dummy whose completion mask is 0, so its loss weights and gradients are 0.
+      forward and reduces gradients in backward collectively: an empty range packs to a
+      2-token dummy whose completion mask is 0, so its loss weights and gradients are 0.
 
     Deterministic: the same arguments give the same plan.
     """
@@ -130,32 +131,29 @@ def _first_fit_decreasing(longest_first: list[int], lengths: list[int], budget: 
 
 
 @dataclass
-class PackedBatch:
-    """A micro-batch of n sequences packed back to back into R rows of Lr tokens.
+class PackedInputs:
+    """A micro-batch of n sequences packed back to back into R rows of Lr tokens: what the
+    model sees, and where each completion token sits in the packed rows.
 
-    The completion-side fields match ``PaddedBatch`` (``[n, T]``, ``T`` = longest
-    completion, zero in padding slots), so objectives, ``token_weights`` and
-    ``value_loss`` take a ``PackedBatch`` unchanged. Logits come out as ``[1, L, V]``
-    instead of ``[b, L, V]``: read them with ``packed_completion_logprobs`` /
-    ``packed_at_completion`` (``learner.batch.completion_logprobs`` gathers along dim 1
-    per row and needs one row per sequence).
+    ``completion_*`` are ``[n, T]`` (``T`` = longest completion in the micro-batch), laid out like
+    the rank's completion table rows ``rows``; logits come out as ``[R, Lr, V]`` (or ``[1, N, V]``
+    with ``logits_to_keep``): read them with ``packed_completion_logprobs`` / ``packed_at_completion``.
     """
 
     input_ids: torch.Tensor  # [R, Lr] the sequences' prompt + completion tokens back to back
     position_ids: torch.Tensor  # [R, Lr] 0, 1, ..., len_i - 1 for each sequence
     attention_mask: torch.Tensor | None  # [R, 1, Lr, Lr] block-diagonal causal (additive or bool), or None
-    seq_lens: list[int]  # len_i of each real sequence in row order ([] for the dummy)
-    completion_index: torch.Tensor  # [n, T] position in the packed row of each completion token
+    seq_lens: list[int]  # len_i of each real sequence ([] for the dummy)
+    completion_index: torch.Tensor  # [n, T] flat position in the packed rows of each completion token
     completion_valid: torch.Tensor  # [n, T] bool, True where the slot holds a completion token
     completion_ids: torch.Tensor  # [n, T] completion tokens (0 in padding)
-    completion_mask: torch.Tensor  # [n, T] float, 1 on trained tokens
-    advantages: torch.Tensor  # [n, T]
-    sampler_logprobs: torch.Tensor  # [n, T]
-    old_logprobs: torch.Tensor | None = None  # [n, T]
-    ref_logprobs: torch.Tensor | None = None  # [n, T]
-    returns: torch.Tensor | None = None  # [n, T]
-    old_values: torch.Tensor | None = None  # [n, T]
+    rows: slice  # the sequences' rows in the rank's completion table (empty for the dummy)
     is_dummy: bool = False  # the zero-weight stand-in for an empty micro-batch
+
+    @property
+    def width(self) -> int:
+        """T: the completion table columns this micro-batch covers."""
+        return self.completion_valid.size(1)
 
     @property
     def logit_positions(self) -> torch.Tensor:
@@ -230,93 +228,79 @@ def assign_rows(seq_lens: list[int], row_tokens: int | None) -> list[list[int]]:
     return rows
 
 
-def dummy_sequence(pad_id: int) -> TrainSequence:
-    """A 2-token sequence whose single completion token has mask 0 (and every optional
-    field set to 0), so objectives and the critic loss see it with weight 0."""
-    zero = [0.0]
-    return TrainSequence(
-        prompt_token_ids=[pad_id],
-        completion_token_ids=[pad_id],
-        completion_mask=[0],
-        advantages=zero,
-        sampler_logprobs=zero,
-        policy_versions=[0],
-        old_logprobs=zero,
-        ref_logprobs=zero,
-        returns=zero,
-        old_values=zero,
-    )
-
-
-def pack_sequences(
-    seqs: list[TrainSequence],
+def pack_range(
+    tokens: TokenShard,
+    start: int,
+    stop: int,
     pad_id: int,
     device: torch.device | str = "cpu",
     mask_dtype: torch.dtype | None = torch.float32,
     row_tokens: int | None = 0,
-) -> PackedBatch:
-    """Pack ``seqs`` back to back into rows ``[R, Lr]``; completion tensors ``[n, T]``.
+) -> PackedInputs:
+    """Pack sequences ``start .. stop - 1`` of ``tokens`` back to back into rows ``[R, Lr]``.
 
-    ``row_tokens = 0`` packs everything into one row (best with a varlen attention
-    kernel); ``None`` makes rows as long as the longest sequence; a number caps rows at
-    that many tokens. Sequence i's completion token t sits at flat position
-    ``r_i * Lr + s_i + p_i + t`` (row r_i, offset s_i in its row), which is what
-    ``completion_index`` holds. ``mask_dtype`` is the dtype of the 4D mask (the model's
-    activation dtype for the additive form, ``torch.bool`` for ``sdpa`` only), or
-    ``None`` to let transformers build it from ``position_ids`` (one row only).
-    An empty ``seqs`` (an empty planned micro-batch) gives the zero-weight dummy of
-    ``dummy_sequence(pad_id)``, marked ``is_dummy``.
+    ``row_tokens = 0`` packs everything into one row (best with a varlen attention kernel);
+    ``None`` makes rows as long as the longest sequence; a number caps rows at that many
+    tokens. Sequence i's completion token t sits at flat position ``r_i * Lr + s_i + p_i + t``
+    (row r_i, offset s_i in its row), which is what ``completion_index`` holds. ``mask_dtype``
+    is the dtype of the 4D mask (the model's activation dtype for the additive form,
+    ``torch.bool`` for ``sdpa`` only), or ``None`` to let transformers build it from
+    ``position_ids`` (one row only). An empty range (an empty planned micro-batch) gives a
+    zero-weight dummy of two pad tokens, marked ``is_dummy``.
     """
-    is_dummy = not seqs
-    if is_dummy:
-        seqs = [dummy_sequence(pad_id)]
-    if any(not s.prompt_token_ids for s in seqs):
+    if start == stop:
+        return _dummy(pad_id, device, mask_dtype)
+    po, co = tokens.prompt_offsets, tokens.completion_offsets
+    prompt_lens = np.diff(po[start : stop + 1])  # [n]
+    comp_lens = np.diff(co[start : stop + 1])  # [n]
+    if (prompt_lens == 0).any():
         raise ValueError("packing needs a non-empty prompt: the first completion token is predicted from it")
-    seq_lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs]
-    rows = [list(range(len(seqs)))] if row_tokens == 0 else assign_rows(seq_lens, row_tokens)
+    seq_lens = (prompt_lens + comp_lens).tolist()
+    n = stop - start
+    rows = [list(range(n))] if row_tokens == 0 else assign_rows(seq_lens, row_tokens)
     if mask_dtype is None and len(rows) > 1:
         raise ValueError("position_ids-only packing (mask_dtype=None) needs a single row")
     Lr = max(sum(seq_lens[i] for i in row) for row in rows)
-    input_ids = torch.full((len(rows), Lr), pad_id, dtype=torch.long)  # [R, Lr]
-    position_ids = torch.zeros((len(rows), Lr), dtype=torch.long)  # [R, Lr]
-    start = [0] * len(seqs)  # flat position of each sequence's first token
+    input_ids = np.full((len(rows), Lr), pad_id, dtype=np.int64)  # [R, Lr]
+    position_ids = np.zeros((len(rows), Lr), dtype=np.int64)  # [R, Lr]
+    first = np.zeros(n, dtype=np.int64)  # flat position of each sequence's first completion token
     for r, row in enumerate(rows):
         offset = 0
         for i in row:
-            ids = [*seqs[i].prompt_token_ids, *seqs[i].completion_token_ids]
-            input_ids[r, offset : offset + len(ids)] = torch.tensor(ids)
-            position_ids[r, offset : offset + len(ids)] = torch.arange(len(ids))
-            start[i] = r * Lr + offset
-            offset += len(ids)
-    T = max(len(s.completion_token_ids) for s in seqs)
-    comp_lens = torch.tensor([len(s.completion_token_ids) for s in seqs])  # [n]
-    prompt_lens = torch.tensor([len(s.prompt_token_ids) for s in seqs])  # [n]
-    t = torch.arange(T)[None]  # [1, T]
+            j = start + i
+            p, c = int(prompt_lens[i]), int(comp_lens[i])
+            input_ids[r, offset : offset + p] = tokens.prompt_ids[po[j] : po[j + 1]]
+            input_ids[r, offset + p : offset + p + c] = tokens.completion_ids[co[j] : co[j + 1]]
+            position_ids[r, offset : offset + p + c] = np.arange(p + c)
+            first[i] = r * Lr + offset + p
+            offset += p + c
+    T = int(comp_lens.max())
+    t = np.arange(T)[None]  # [1, T]
     valid = t < comp_lens[:, None]  # [n, T]
-    index = torch.where(valid, (torch.tensor(start) + prompt_lens)[:, None] + t, 0)  # [n, T]; flat positions
-    comp_ids = torch.zeros((len(seqs), T), dtype=torch.long)
-    comp_ids[valid] = torch.tensor([tok for s in seqs for tok in s.completion_token_ids], dtype=torch.long)
-    per_token = [
-        pad_rows([getattr(s, name) for s in seqs], T) for name in ("completion_mask", "advantages", "sampler_logprobs")
-    ]
-    optional = [
-        pad_rows([getattr(s, name) for s in seqs], T) if getattr(seqs[0], name) is not None else None
-        for name in _OPTIONAL
-    ]
+    index = np.where(valid, first[:, None] + t, 0)  # [n, T]; flat positions
+    comp_ids = np.zeros((n, T), dtype=np.int64)
+    comp_ids[valid] = tokens.completion_ids[co[start] : co[stop]]  # row-major order of valid = flat order
     row_lens = [[seq_lens[i] for i in row] for row in rows]
     mask = None if mask_dtype is None else block_causal_mask(row_lens, mask_dtype, device)
-    to = lambda x: None if x is None else x.to(device)
-    return PackedBatch(
-        to(input_ids),
-        to(position_ids),
-        mask,
-        [] if is_dummy else seq_lens,
-        to(index),
-        to(valid),
-        to(comp_ids),
-        *(to(x) for x in per_token),
-        *(to(x) for x in optional),
-        is_dummy=is_dummy,
+    to = lambda x: torch.from_numpy(x).to(device)  # noqa: E731
+    return PackedInputs(
+        to(input_ids), to(position_ids), mask, seq_lens, to(index), to(valid), to(comp_ids), slice(start, stop)
+    )
+
+
+def _dummy(pad_id: int, device, mask_dtype) -> PackedInputs:
+    """Two pad tokens, the second a completion token the table gives mask 0 (see ``RankBatch.view``)."""
+    mask = None if mask_dtype is None else block_causal_mask([[2]], mask_dtype, device)
+    return PackedInputs(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long, device=device),
+        position_ids=torch.arange(2, device=device)[None],
+        attention_mask=mask,
+        seq_lens=[],
+        completion_index=torch.ones((1, 1), dtype=torch.long, device=device),
+        completion_valid=torch.ones((1, 1), dtype=torch.bool, device=device),
+        completion_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device),
+        rows=slice(0, 0),
+        is_dummy=True,
     )
 
 
@@ -325,23 +309,24 @@ def pack_sequences(
 # ---------------------------------------------------------------------------------------
 
 
-def packed_at_completion(per_position: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """Outputs that predict each completion token: ``[1, L, ...] -> [n, T, ...]``.
+def packed_at_completion(per_position: torch.Tensor, batch: PackedInputs) -> torch.Tensor:
+    """Outputs that predict each completion token: ``[R, Lr, ...] -> [n, T, ...]``.
 
-    As ``learner.batch.at_completion``: the completion token at row position p is
-    predicted by position ``p - 1`` (for a critic: the state before that token). Padding
-    slots read position 0; mask them.
+    The completion token at row position p is predicted by position ``p - 1`` (for a critic:
+    the state before that token). Padding slots read position 0; mask them.
     """
     prev = (batch.completion_index - 1).clamp(min=0)  # [n, T] flat positions
     flat = per_position.reshape(1, -1, *per_position.shape[2:])  # [1, R * Lr, ...]
     return flat[0, prev]  # [n, T, ...]
 
 
-def packed_completion_logprobs(logits: torch.Tensor, batch: PackedBatch, with_entropy: bool = False):
+def packed_completion_logprobs(
+    logits: torch.Tensor, batch: PackedInputs, mask: torch.Tensor | None = None, with_entropy: bool = False
+):
     """log pi(token) of every completion token: ``[n, T]`` (and the entropy ``[n, T]`` of each
-    predicting distribution when ``with_entropy``), zero on padding and masked tokens.
+    predicting distribution when ``with_entropy``), zero on padding and where ``mask`` is 0.
 
-    ``logits`` is ``[1, L, V]`` (the full row) or ``[1, N, V]`` (the model was called with
+    ``logits`` is ``[R, Lr, V]`` (the full rows) or ``[1, N, V]`` (the model was called with
     ``logits_to_keep=batch.logit_positions``). Log-softmax runs over the N predicting
     positions only, never over the prompt or a padded ``[n, T, V]`` block.
     """
@@ -356,8 +341,9 @@ def packed_completion_logprobs(logits: torch.Tensor, batch: PackedBatch, with_en
     logp = torch.log_softmax(picked.float(), dim=-1)  # [N, V]
     token_logp = torch.gather(logp, 1, batch.completion_ids[valid].unsqueeze(-1)).squeeze(-1)  # [N]
     zeros = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
-    out = zeros.masked_scatter(valid, token_logp) * batch.completion_mask  # [n, T]
+    keep = valid.to(logp.dtype) if mask is None else mask.to(logp.dtype)
+    out = zeros.masked_scatter(valid, token_logp) * keep  # [n, T]
     if not with_entropy:
         return out
     entropy = -(logp.exp() * logp).sum(-1)  # H = -sum_v p log p, [N]
-    return out, (zeros.masked_scatter(valid, entropy.detach()) * batch.completion_mask)
+    return out, (zeros.masked_scatter(valid, entropy.detach()) * keep)

@@ -1,10 +1,9 @@
-"""One data-parallel learner rank: a DeepSpeed engine inside a Ray actor.
+"""One data-parallel learner rank: DeepSpeed engines inside a Ray actor.
 
-Each optimizer step the rank receives its ``LearnerShard``, recomputes the log-probs
-of the sampled tokens with its own weights, evaluates the policy loss with the
-global normalisers (so N ranks x 1/N of the batch == 1 rank x the whole batch), runs
-backward over its micro-batches and steps. Rank 0 exports the weights by Hugging
-Face parameter name for the weight channel.
+The rank builds its models and hands them to a ``RankStep`` (``learner/rank.py``), which
+does the step's work on the shard it keeps between scoring and training; this module adds
+what needs Ray and DeepSpeed: the process group, the engines, and the weights' way out
+(rank 0 publishes them on the weight channel, ``cluster/channel.py``).
 
 A process holds one or more roles: ``policy`` (the trained model), ``critic`` (PPO's
 value model, its own DeepSpeed engine) and ``reference`` (the frozen KL reference).
@@ -17,25 +16,40 @@ from __future__ import annotations
 
 import importlib
 import os
-import time
+from dataclasses import dataclass
 from typing import Any
 
-from learner.algorithms import value_loss
-from learner.batch import LearnerShard
+from cluster.channel import WeightPublisher, WeightReceiver, open_weight_publisher
+from cluster.config import WeightsConfig
+from cluster.logs import redirect_output
+from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
-from learner.methods import build_objective, value_weights
-from learner.packing import pack_sequences, packed_at_completion, packed_completion_logprobs
+from learner.rank import Layout, Models, RankStep
+from learner.shard import RankShard
 
 
-def deepspeed_config(learner: dict[str, Any], dtype: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of a group is set up with."""
+
+    model_path: str
+    learner: LearnerConfig
+    algorithm: AlgorithmConfig
+    dtype: str  # "float32" | "bfloat16"
+    seed: int
+    max_tokens: int  # rollout.max_tokens: L_max of fixed-length aggregation
+    roles: tuple[str, ...] = ("policy",)  # policy / critic / reference
+
+
+def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
     """The DeepSpeed config a rank runs with. Micro-batching and the loss normaliser are ours:
     each ``step()`` is one accumulation boundary after however many ``backward()`` calls."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": learner["grad_clip"],
-        "zero_optimization": {"stage": learner["zero_stage"]},
+        "gradient_clipping": learner.grad_clip,
+        "zero_optimization": {"stage": learner.zero_stage},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": dtype == "bfloat16"},
         "steps_per_print": 10**9,
@@ -53,10 +67,9 @@ class LearnerWorker:
     """A learner rank: created, asked for a rendezvous address (rank 0), then ``setup`` on all ranks."""
 
     def __init__(self, rank: int, world_size: int, log_path: str | None = None):
-        from actors.generation import redirect_output
-
         redirect_output(log_path)
         self.rank, self.world_size = rank, world_size
+        self.publisher: WeightPublisher | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0's answer becomes every rank's MASTER_ADDR/PORT."""
@@ -69,56 +82,46 @@ class LearnerWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(
-        self,
-        master_addr: str,
-        master_port: int,
-        model_path: str,
-        learner: dict[str, Any],
-        algorithm: dict[str, Any],
-        dtype: str,
-        seed: int,
-        roles: tuple[str, ...] = ("policy",),
-    ) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int, spec: RankSpec) -> dict[str, Any]:
         """Join the process group and build this process's models (all ranks of a group call it
         together; a reference-only process joins no group)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.manual_seed(seed)
+        torch.manual_seed(spec.seed)
         cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.roles = tuple(roles)
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        roles = tuple(spec.roles)
         if "policy" in roles or "critic" in roles:
             self._init_distributed(master_addr, master_port, cuda)
-        self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
-        self.algorithm = algorithm
-        self.engine = self.critic = self.reference = None
+        models = Models()
         if "policy" in roles:
-            self.engine = self._engine(
-                AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), learner, dtype
-            )
-            self.objective = build_objective(algorithm)
+            model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+            models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype)
         if "critic" in roles:
-            critic_cfg = algorithm["critic"]
-            value_model = build_value_model(critic_cfg["path"] or model_path, critic_cfg["init"], seed)
-            self.critic = self._engine(value_model, {**learner, "lr": critic_cfg["lr"]}, dtype)
+            critic = spec.algorithm.critic
+            value_model = build_value_model(critic.path or spec.model_path, critic.init, spec.seed)
+            models.critic = self._engine(value_model, spec.learner, critic.lr, spec.dtype)
         if "reference" in roles:
-            ref_path = algorithm["kl"]["reference_path"] or model_path
-            dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-            self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(self.device).eval()
-            self.reference.requires_grad_(False)
-        self.zero_stage = learner["zero_stage"]
+            ref_path = spec.algorithm.kl.reference_path or spec.model_path
+            dt = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+            models.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(device).eval()
+            models.reference.requires_grad_(False)
+        self.zero_stage = spec.learner.zero_stage
+        self.policy = models.policy
         # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
-        attention = _attention_of(next(m for m in (self.engine, self.critic, self.reference) if m is not None))
-        self.mask_dtype = (
-            torch.bool if attention == "sdpa" else (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        attention = _attention_of(next(m for m in (models.policy, models.critic, models.reference) if m is not None))
+        float_mask = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+        layout = Layout(
+            pad_id=AutoTokenizer.from_pretrained(spec.model_path).pad_token_id or 0,
+            device=device,
+            mask_dtype=torch.bool if attention == "sdpa" else float_mask,
+            row_tokens=spec.learner.pack_row_tokens,
         )
-        self.row_tokens = learner["pack_row_tokens"]
+        self.step = RankStep(models, spec.algorithm, layout, spec.max_tokens, self.world_size)
         print(
-            f"[{'learner' if self.engine else self.roles[0]} {self.rank}/{self.world_size}] ready: "
-            f"{'+'.join(self.roles)}, {algorithm['name']}, "
-            f"ZeRO-{self.zero_stage}, {dtype}",
+            f"[{'learner' if models.policy else roles[0]} {self.rank}/{self.world_size}] ready: "
+            f"{'+'.join(roles)}, {spec.algorithm.name}, ZeRO-{self.zero_stage}, {spec.dtype}",
             flush=True,
         )
         import ray
@@ -143,155 +146,72 @@ class LearnerWorker:
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
-    def _engine(self, model, learner: dict[str, Any], dtype: str):
+    def _engine(self, model, learner: LearnerConfig, lr: float, dtype: str):
         import deepspeed
         import torch
 
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]), weight_decay=learner["weight_decay"]
+            model.parameters(), lr=lr, betas=tuple(learner.betas), weight_decay=learner.weight_decay
         )
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(learner, dtype))
         return engine
 
-    def _pack(self, micro_batch):
-        """Pack a micro-batch into rows (an empty one becomes a zero-weight dummy: every rank
-        must run the same number of passes for ZeRO's collectives)."""
-        return pack_sequences(micro_batch, self.pad_id, self.device, self.mask_dtype, self.row_tokens)
+    # --- one training step (learner/rank.py) ----------------------------------------------
+    def score(self, shard: RankShard):
+        return self.step.score(shard)
 
-    def _models(self) -> list:
-        """The engines this process updates (policy and/or critic)."""
-        return [m for m in (self.engine, self.critic) if m is not None]
+    def summarise(self, kl_beta: float, *imports):
+        return self.step.summarise(kl_beta, *imports)
 
-    @staticmethod
-    def _completion_logprobs(model, batch, with_entropy: bool = False):
-        """``model``'s (policy or reference) log-probs of the packed completion tokens ``[n, T]``
-        (and their entropy if asked)."""
-        logits = model(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep()).logits
-        return packed_completion_logprobs(logits, batch, with_entropy=with_entropy)
+    def expand(self, per_sequence):
+        return self.step.expand(per_sequence)
 
-    def score(self, shard: LearnerShard) -> list[dict[str, list[float]]]:
-        """Before any update: per sequence, what this process's roles give: the log-probs under
-        the current policy (the old policy of this batch), the reference log-probs, the critic's values."""
+    def train(self, whitening, kl_beta: float, *imports):
+        return self.step.train(whitening, kl_beta, *imports)
+
+    def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
+        """Log-probabilities of a fixed completion under the current policy (for checks and tests)."""
+        import numpy as np
         import torch
 
-        out: list[dict[str, list[float]]] = []
-        for model in self._models():
-            model.eval()
-        with torch.no_grad():
-            for mb in shard.minibatches:
-                for micro in mb.micro_batches:
-                    batch = self._pack(micro)
-                    fields = {}
-                    if self.engine is not None:
-                        fields["old_logprobs"] = self._completion_logprobs(self.engine, batch)
-                    if self.reference is not None:
-                        fields["ref_logprobs"] = self._completion_logprobs(self.reference, batch)
-                    if self.critic is not None:
-                        values = self.critic(**batch.model_inputs())  # [1, L]
-                        fields["values"] = packed_at_completion(values, batch).float() * batch.completion_mask
-                    for i, n in enumerate(batch.completion_lengths):  # the dummy has no sequences
-                        out.append({k: v[i, :n].tolist() for k, v in fields.items()})
-        return out
+        from learner.packing import pack_range, packed_completion_logprobs
+        from learner.shard import TokenShard
 
-    def train_step(self, shard: LearnerShard) -> dict[str, float]:
-        """Every epoch, every minibatch: forward/backward its micro-batches, one optimizer step
-        (of the policy and/or the critic, whichever this process holds). Returns token-weighted
-        mean metrics; ``loss`` is this rank's share of the global policy loss (summed over
-        minibatches and epochs)."""
-        start = time.monotonic()
-        totals: dict[str, float] = {"loss": 0.0}
-        tokens = 0
-        for model in self._models():
-            model.train()
-        for _ in range(shard.epochs):
-            for mb in shard.minibatches:
-                for micro in mb.micro_batches:
-                    batch = self._pack(micro)
-                    n = float(batch.completion_mask.sum())
-                    tokens += int(n)
-                    metrics = {}
-                    if self.engine is not None:
-                        learner_logprobs, entropy = self._completion_logprobs(self.engine, batch, with_entropy=True)
-                        loss, metrics = self.objective(learner_logprobs, batch, mb, shard.kl_beta)
-                        # DeepSpeed averages gradients over ranks; the loss is already a share of the
-                        # global sum, so scale by world size to make the reduced gradient the global one.
-                        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-                        metrics["entropy"] = entropy.sum() / max(n, 1.0)
-                        totals["loss"] += float(loss.detach())
-                    if self.critic is not None:
-                        metrics.update(self._critic_backward(batch, mb))
-                    for key, value in metrics.items():  # token-weighted, summed across micro-batches
-                        totals[key] = totals.get(key, 0.0) + float(value) * n
-                for model in self._models():
-                    model.step()
-        out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
-        out["tokens"] = tokens / shard.epochs
-        out["seconds"] = time.monotonic() - start
-        grad_norm = self.engine.get_global_grad_norm() if self.engine is not None else None
-        if grad_norm is not None:
-            out["grad_norm"] = float(grad_norm)
-        return out
-
-    def _critic_backward(self, batch, minibatch) -> dict[str, float]:
-        values = packed_at_completion(self.critic(**batch.model_inputs()), batch).float()  # [n, T]
-        weights = value_weights(batch, minibatch, self.algorithm)
-        clip = self.algorithm["critic"]["value_clip"]
-        loss, metrics = value_loss(
-            values,
-            batch.returns,
-            batch.completion_mask,
-            weights,
-            old_values=batch.old_values if clip else None,
-            clip=clip,
+        n = len(completion_token_ids)
+        tokens = TokenShard(
+            np.asarray(prompt_token_ids, np.int32),
+            np.array([0, len(prompt_token_ids)]),
+            np.asarray(completion_token_ids, np.int32),
+            np.array([0, n]),
+            np.ones(n, np.uint8),
+            np.zeros(n, np.float32),
+            np.zeros(1, np.float32),
         )
-        self.critic.backward(loss * self.world_size, scale_wrt_gas=False)
-        return {"value_loss_share": float(loss.detach()), **{f"critic_{k}": v for k, v in metrics.items()}}
-
-    def logprobs(self, micro_batch) -> list[list[float]]:
-        """Log-probs of each sequence's completion under the current weights (no grad)."""
-        import torch
-
-        self.engine.eval()
+        lay = self.step.layout
+        micro = pack_range(tokens, 0, 1, lay.pad_id, lay.device, lay.mask_dtype, lay.row_tokens)
+        self.policy.eval()
         with torch.no_grad():
-            batch = self._pack(micro_batch)
-            lp = self._completion_logprobs(self.engine, batch)
-        return [row[:n] for row, n in zip(lp.tolist(), batch.completion_lengths)]
+            logits = self.policy(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
+            return packed_completion_logprobs(logits, micro)[0].tolist()
 
-    def open_weight_publisher(self, receivers: int, weights: dict[str, Any], connect_timeout_s: float):
-        """Rank 0: start the distributed weight group (this rank + ``receivers`` actors); returns its spec."""
-        import ray
-
-        from cluster.dist_channel import DistPublisher
-
-        self.publisher = DistPublisher(
-            ray.util.get_node_ip_address(),
-            0,
-            receivers + 1,
-            weights["push_timeout_s"],
-            connect_timeout_s=connect_timeout_s,
-            bucket_bytes=weights["bucket_mb"] << 20,
-            backend=weights["process_group"],
-        )
-        return self.publisher.spec
+    # --- the weights' way out ---------------------------------------------------------------
+    def open_weight_publisher(
+        self, weights: WeightsConfig, names: list[str], connect_timeout_s: float
+    ) -> list[WeightReceiver]:
+        """Rank 0: open the weight channel to the actors ``names``; returns their receivers, in order."""
+        self.publisher = open_weight_publisher(weights, len(names), connect_timeout_s)
+        return self.publisher.receivers(names)
 
     def publish_weights(self, version: int) -> None:
-        """Every rank (gathering ZeRO-3 shards is a collective); rank 0 pushes to the actors and
-        raises ``WeightPushError`` naming any actor that did not take them within the deadline."""
-        named = self.export_weights(copy=False)  # publish packs them into its buckets before returning
+        """Every rank (gathering ZeRO-3 shards is a collective); rank 0 publishes, and raises
+        (``WeightPushError`` on the distributed channel) naming any actor that missed the deadline."""
+        named = self.export_weights(copy=False)  # publish copies them out before returning
         if self.rank == 0:
             self.publisher.publish(version, named)
 
     def close_weight_publisher(self) -> None:
-        if getattr(self, "publisher", None) is not None:
+        if self.publisher is not None:
             self.publisher.close()
-
-    def export_flat_weights(self):
-        """``export_weights`` as ``FlatWeights`` (rank 0; None elsewhere): the form the Ray weight
-        path stores, so the one copy is into the object store as this method returns."""
-        from cluster.weights import FlatWeights
-
-        named = self.export_weights(copy=False)
-        return FlatWeights(named) if named is not None else None
 
     def export_weights(self, copy: bool = True) -> list | None:
         """(HF name, CPU tensor) pairs on rank 0, None elsewhere. Every rank must call it
@@ -299,7 +219,7 @@ class LearnerWorker:
         import deepspeed
         import torch
 
-        module = self.engine.module
+        module = self.policy.module
         with torch.no_grad():
             if self.zero_stage == 3:
                 named = []

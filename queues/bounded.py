@@ -6,7 +6,10 @@ One small interface, two backends chosen by ``build_queue``:
 - ``"local"``: a thread-safe in-process queue with the same methods, for tests that run
   one component alone.
 Every wait has a deadline: ``put`` raises ``QueueTimeout`` when the queue stays full,
-``get_batch`` returns an empty list when it stays empty.
+``get_batch`` returns an empty list when it stays empty. Waits are woken by the change
+they wait for, never by polling. ``close()`` ends the queue: every waiting and later
+``put``/``get_batch`` raises ``QueueClosed`` at once (items still inside are abandoned), which
+is how the actors learn that the run is over.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ class QueueTimeout(TimeoutError):
     """A put found the queue full for longer than its deadline."""
 
 
+class QueueClosed(RuntimeError):
+    """The queue was closed: the run is over for its producers and consumers."""
+
+
 class _Deque:
     """The queue's state and its blocking rules, shared by both backends."""
 
@@ -29,9 +36,13 @@ class _Deque:
             raise ValueError(f"queue maxsize must be >= 1, got {maxsize}")
         self.maxsize = maxsize
         self.items: collections.deque = collections.deque()
+        self.closed = False
 
     def can_put(self, n: int) -> bool:
-        return len(self.items) + n <= self.maxsize or not self.items
+        return self.closed or len(self.items) + n <= self.maxsize or not self.items
+
+    def can_get(self) -> bool:
+        return self.closed or len(self.items) > 0
 
     def take(self, max_items: int) -> list:
         n = min(max_items, len(self.items))
@@ -39,34 +50,53 @@ class _Deque:
 
 
 class _RayQueueActor:
-    """Runs inside a Ray actor (async, so waiting calls do not block each other)."""
+    """Runs inside a Ray actor (async, so waiting calls do not block each other). Results are
+    ``(ok, value)``: ``ok`` False means the queue is closed."""
 
     def __init__(self, maxsize: int):
         self.state = _Deque(maxsize)
         self.changed = asyncio.Condition()
 
-    async def put_many(self, items: list, timeout: float) -> bool:
+    async def put_many(self, items: list, timeout: float) -> tuple[bool, bool]:
+        """(open, stored)."""
         async with self.changed:
             try:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.state.can_put(len(items))), timeout)
             except asyncio.TimeoutError:
-                return False
+                return True, False
+            if self.state.closed:
+                return False, False
             self.state.items.extend(items)
             self.changed.notify_all()
-            return True
+            return True, True
 
-    async def get_batch(self, max_items: int, timeout: float) -> list:
+    async def get_batch(self, max_items: int, timeout: float) -> tuple[bool, list]:
         async with self.changed:
             try:
-                await asyncio.wait_for(self.changed.wait_for(lambda: len(self.state.items) > 0), timeout)
+                await asyncio.wait_for(self.changed.wait_for(self.state.can_get), timeout)
             except asyncio.TimeoutError:
-                return []
+                return True, []
+            if self.state.closed:
+                return False, []
             batch = self.state.take(max_items)
             self.changed.notify_all()
-            return batch
+            return True, batch
+
+    async def close(self) -> None:
+        async with self.changed:
+            self.state.closed = True
+            self.changed.notify_all()
 
     def size(self) -> int:
         return len(self.state.items)
+
+
+def _closed(name: str) -> QueueClosed:
+    return QueueClosed(f"the {name} queue is closed")
+
+
+def _full(name: str, timeout: float) -> QueueTimeout:
+    return QueueTimeout(f"{name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
 
 
 class RayQueue:
@@ -79,23 +109,37 @@ class RayQueue:
         options = {"num_cpus": 0, "max_concurrency": 1000, **(actor_options or {})}
         self._actor = ray.remote(_RayQueueActor).options(**options).remote(maxsize)
 
+    def _put_result(self, result: tuple[bool, bool], timeout: float) -> None:
+        open_, stored = result
+        if not open_:
+            raise _closed(self.name)
+        if not stored:
+            raise _full(self.name, timeout)
+
+    def _get_result(self, result: tuple[bool, list]) -> list:
+        open_, batch = result
+        if not open_:
+            raise _closed(self.name)
+        return batch
+
     def put_many(self, items: list, timeout: float) -> None:
         import ray
 
-        if not ray.get(self._actor.put_many.remote(list(items), timeout)):
-            raise QueueTimeout(f"{self.name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
+        self._put_result(ray.get(self._actor.put_many.remote(list(items), timeout)), timeout)
 
     async def put_many_async(self, items: list, timeout: float) -> None:
-        if not await self._actor.put_many.remote(list(items), timeout):
-            raise QueueTimeout(f"{self.name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
+        self._put_result(await self._actor.put_many.remote(list(items), timeout), timeout)
 
     def get_batch(self, max_items: int, timeout: float) -> list:
         import ray
 
-        return ray.get(self._actor.get_batch.remote(max_items, timeout))
+        return self._get_result(ray.get(self._actor.get_batch.remote(max_items, timeout)))
 
     async def get_batch_async(self, max_items: int, timeout: float) -> list:
-        return await self._actor.get_batch.remote(max_items, timeout)
+        return self._get_result(await self._actor.get_batch.remote(max_items, timeout))
+
+    async def close(self) -> None:
+        await self._actor.close.remote()
 
     def size(self) -> int:
         import ray
@@ -114,7 +158,9 @@ class LocalQueue:
     def put_many(self, items: list, timeout: float) -> None:
         with self._changed:
             if not self._changed.wait_for(lambda: self._state.can_put(len(items)), timeout):
-                raise QueueTimeout(f"{self.name} queue stayed full for {timeout:.0f}s; is its consumer alive?")
+                raise _full(self.name, timeout)
+            if self._state.closed:
+                raise _closed(self.name)
             self._state.items.extend(items)
             self._changed.notify_all()
 
@@ -123,13 +169,23 @@ class LocalQueue:
 
     def get_batch(self, max_items: int, timeout: float) -> list:
         with self._changed:
-            self._changed.wait_for(lambda: len(self._state.items) > 0, timeout)
+            self._changed.wait_for(self._state.can_get, timeout)
+            if self._state.closed:
+                raise _closed(self.name)
             batch = self._state.take(max_items)
             self._changed.notify_all()
             return batch
 
     async def get_batch_async(self, max_items: int, timeout: float) -> list:
         return await asyncio.to_thread(self.get_batch, max_items, timeout)
+
+    def close_now(self) -> None:
+        with self._changed:
+            self._state.closed = True
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        self.close_now()
 
     def size(self) -> int:
         with self._changed:

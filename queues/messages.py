@@ -3,12 +3,16 @@
 A prompt leaves the rollout loop as a ``PromptRequest``; a generation actor turns it
 into a ``TrajectoryGroup`` (the G completions of one prompt, scored); the learner
 trains on the groups. Every field that crosses a process boundary is declared here.
+Per-token fields are numpy arrays: Ray moves their buffers without a Python object per
+token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -24,16 +28,16 @@ class PromptRequest:
 class Trajectory:
     """One sampled completion of one prompt, with everything the learner needs."""
 
-    prompt_token_ids: list[int]  # the prompt as the sampler saw it
-    completion_token_ids: list[int]  # generated tokens, EOS included when sampled
-    completion_mask: list[int]  # 1 where the learner trains on the token, else 0
-    sampler_logprobs: list[float]  # log pi_sampler(token) for every completion token
-    policy_versions: list[int]  # weight version that produced each completion token
+    prompt_token_ids: np.ndarray  # int32 [P] the prompt as the sampler saw it
+    completion_token_ids: np.ndarray  # int32 [C] generated tokens, EOS included when sampled
+    completion_mask: np.ndarray  # uint8 [C] 1 where the learner trains on the token, else 0
+    sampler_logprobs: np.ndarray  # float32 [C] log pi_sampler(token) for every completion token
+    policy_versions: np.ndarray  # int32 [C] weight version that produced each completion token
     reward: float  # task reward (0.0 when the reward function failed)
     finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_tokens)
     completion_text: str  # the decoded completion, special tokens removed
-    step_rewards: list[float] | None = None  # process supervision: one reward per reasoning step
-    step_end_tokens: list[int] | None = None  # completion index of the token that ends each step
+    step_rewards: np.ndarray | None = None  # float32 [S] process supervision: one reward per reasoning step
+    step_end_tokens: np.ndarray | None = None  # int32 [S] completion index of the token that ends each step
 
     @property
     def num_tokens(self) -> int:
@@ -55,4 +59,4 @@ class TrajectoryGroup:
 
     @property
     def oldest_version(self) -> int:
-        return min(min(t.policy_versions, default=0) for t in self.trajectories)
+        return min((int(np.min(t.policy_versions)) if len(t.policy_versions) else 0) for t in self.trajectories)

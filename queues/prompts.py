@@ -1,4 +1,5 @@
-"""Where prompts come from: a JSONL file of rows or a built-in task, streamed in epochs.
+"""Where prompts come from: rows read from a JSONL file (or made by a built-in task, which the
+launcher resolves), streamed in seeded epochs.
 
 Rows are ``{"prompt": str, "answer": ..., <anything else>}``; the whole row travels
 with the prompt and reaches the reward function. A bad row stops the run before
@@ -46,19 +47,6 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
     if not rows:
         raise DatasetError(f"prompt file {p} has no rows")
     return rows
-
-
-def load_rows(prompts: str, num_rows: int, seed: int) -> list[dict[str, Any]]:
-    """Rows from ``data.prompts``: a JSONL path or ``builtin:<task>``."""
-    if prompts.startswith("builtin:"):
-        from actors.tasks import get_task
-
-        try:
-            task = get_task(prompts.removeprefix("builtin:"))
-        except KeyError as exc:
-            raise DatasetError(f"data.prompts {prompts!r}: {exc.args[0]}") from None
-        return task.make_rows(num_rows, seed)
-    return read_jsonl_rows(prompts)
 
 
 class PromptStream:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
-from learner.batch import TrainSequence
+import numpy as np
+
 from queues.messages import Trajectory, TrajectoryGroup
+from tests.reference_batch import TrainSequence
 
 
 def make_sequence(rng: random.Random, prompt_len: int, completion_len: int, vocab: int = 56) -> TrainSequence:
@@ -19,22 +21,106 @@ def make_sequence(rng: random.Random, prompt_len: int, completion_len: int, voca
     )
 
 
+def make_trajectory(prompt: list[int], completion: list[int], reward: float, version: int = 0, **extra) -> Trajectory:
+    n = len(completion)
+    return Trajectory(
+        prompt_token_ids=np.array(prompt, dtype=np.int32),
+        completion_token_ids=np.array(completion, dtype=np.int32),
+        completion_mask=np.ones(n, dtype=np.uint8),
+        sampler_logprobs=np.full(n, -0.5, dtype=np.float32),
+        policy_versions=np.full(n, version, dtype=np.int32),
+        reward=reward,
+        finish_reason=extra.pop("finish_reason", "stop"),
+        completion_text="x" * n,
+        **extra,
+    )
+
+
 def make_group(
     prompt_id: int, rewards: list[float], version: int = 0, completion_len: int = 3, seed: int = 0
 ) -> TrajectoryGroup:
     """A scored group; each completion has its own random tokens (identical ones would cancel)."""
     rng = random.Random(seed * 1000 + prompt_id)
     trajs = [
-        Trajectory(
-            prompt_token_ids=[5, 6],
-            completion_token_ids=[rng.randrange(4, 56) for _ in range(completion_len)],
-            completion_mask=[1] * completion_len,
-            sampler_logprobs=[-0.5] * completion_len,
-            policy_versions=[version] * completion_len,
-            reward=r,
-            finish_reason="stop",
-            completion_text="x" * completion_len,
-        )
-        for r in rewards
+        make_trajectory([5, 6], [rng.randrange(4, 56) for _ in range(completion_len)], r, version) for r in rewards
     ]
     return TrajectoryGroup(prompt_id=prompt_id, row={"prompt": "12"}, trajectories=trajs, actor_name="test")
+
+
+# --- in-process stand-ins for Ray actors and DeepSpeed engines -------------------------------
+class FakeRef:
+    """What ``.remote()`` returns: awaitable, and resolved when passed to another call (as Ray does
+    with a top-level ObjectRef argument)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __await__(self):
+        return self.task.__await__()
+
+
+class _Method:
+    def __init__(self, target, name: str, num_returns: int = 1, calls: list | None = None):
+        self.target, self.name, self.num_returns, self.calls = target, name, num_returns, calls
+
+    def options(self, num_returns: int = 1):
+        return _Method(self.target, self.name, num_returns, self.calls)
+
+    def remote(self, *args):
+        import asyncio
+
+        async def call():
+            resolved = [await a if isinstance(a, FakeRef) else a for a in args]
+            out = getattr(self.target, self.name)(*resolved)
+            if self.calls is not None:
+                self.calls.append((self.name, resolved, out))
+            return out
+
+        task = asyncio.ensure_future(call())
+        if self.num_returns == 1:
+            return FakeRef(task)
+
+        async def part(i):
+            return (await task)[i]
+
+        return tuple(FakeRef(asyncio.ensure_future(part(i))) for i in range(self.num_returns))
+
+
+class LocalActor:
+    """An object whose methods are called like a Ray actor's: ``actor.method.remote(*args)``.
+    ``calls`` records (method, arguments, result) for tests that look at what crossed."""
+
+    def __init__(self, target, calls: list | None = None):
+        self._target, self._calls = target, calls
+
+    def __getattr__(self, name: str):
+        return _Method(self._target, name, calls=self._calls)
+
+
+class PlainEngine:
+    """A model and an optimiser with the surface of a DeepSpeed engine that ``RankStep`` uses."""
+
+    def __init__(self, module, lr: float):
+        import torch
+
+        self.module = module
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+    def backward(self, loss, scale_wrt_gas: bool = False) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def get_global_grad_norm(self):
+        return None

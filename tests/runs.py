@@ -8,8 +8,14 @@ import json
 import random
 from pathlib import Path
 
+from actors.config import EngineConfig, RolloutConfig
+from actors.environment import actor_env
+from actors.spec import ActorSpec
+from cluster.config import ActorPlacement
+from cluster.placement import ProcessKind, ray_options
 from launch.build import build_learner_group
 from launch.cli import main
+from learner.environment import rank_env
 from tests.fakes import make_group
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -75,9 +81,37 @@ def train_group(ray, cfg, model_path: str, run, batches: list) -> tuple[tuple[in
         group = await build_learner_group(cfg, model_path, run)
         kinds = (len(group.workers), len(group.critics), len(group.references))
         metrics = [await group.train_step(b) for b in batches]
-        weights = ray.get(await group.export_weights()).tensors()
+        exported = await asyncio.gather(*[w.export_weights.remote() for w in group.workers])  # ZeRO-3: all ranks
+        weights = exported[0]  # rank 0's (name, tensor) pairs
         for w in group.workers + group.critics + group.references:
             ray.kill(w)
         return kinds, metrics, dict(weights)
 
     return asyncio.run(go())
+
+
+def actor_spec(model_dir: str, log_path: str, reward: str = "builtin:echo", tensor_parallel: int = 1, **rollout):
+    """A generation actor's spec as the launcher builds it, with ``rollout`` overrides."""
+    return ActorSpec(
+        name="actor-0",
+        model_path=model_dir,
+        engine=EngineConfig(),
+        rollout=RolloutConfig(**rollout),
+        reward_function=reward,
+        dtype="float32",
+        seed=0,
+        tensor_parallel=tensor_parallel,
+        log_path=log_path,
+    )
+
+
+def actor_options(tensor_parallel: int = 1) -> dict:
+    """Ray options of generation actor 0 on the CPU, as the launcher gives them."""
+    placement = ActorPlacement(num_cpus=tensor_parallel, tensor_parallel=tensor_parallel)
+    kind = ProcessKind("actor", "actor", 1, placement.num_cpus, 0)
+    return ray_options(kind, actor_env(placement, 0, EngineConfig()))
+
+
+def rank_options() -> dict:
+    """Ray options of one learner rank on the CPU."""
+    return ray_options(ProcessKind("learner", "learner rank", 1, 1, 0), rank_env(1, 0))

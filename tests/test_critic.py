@@ -6,9 +6,10 @@ import random
 
 import torch
 
-from learner.batch import at_completion, pad_sequences
 from learner.critic import build_value_model
+from learner.packing import packed_at_completion
 from tests.fakes import make_sequence
+from tests.reference_batch import packed
 
 
 def test_critic_from_policy_starts_at_zero_and_shares_the_transformer(tiny_model_dir):
@@ -49,10 +50,10 @@ def test_fresh_critic_is_random_but_seeded(tiny_model_dir):
 def test_values_are_read_at_the_state_before_each_completion_token():
     rng = random.Random(0)
     seqs = [make_sequence(rng, 2, 3), make_sequence(rng, 4, 1)]
-    batch = pad_sequences(seqs, pad_id=0)
+    batch, _ = packed(seqs, pad_id=0)  # one row: seq 0 at 0..4, seq 1 at 5..9
     per_position = torch.arange(batch.input_ids.numel(), dtype=torch.float).reshape(batch.input_ids.shape)
-    picked = at_completion(per_position, batch)
-    # seq 0: prompt 2 tokens -> completion at positions 2,3,4 -> states at 1,2,3; seq 1: position 4 -> state 3
-    L = batch.input_ids.shape[1]
+    picked = packed_at_completion(per_position, batch)
+    # seq 0: prompt 2 tokens -> completion at positions 2,3,4 -> states at 1,2,3
+    # seq 1: starts at 5, prompt 4 tokens -> completion at 9 -> state 8
     assert picked[0].tolist() == [1.0, 2.0, 3.0]
-    assert picked[1, 0].item() == L + 3
+    assert picked[1, 0].item() == 8.0

@@ -7,19 +7,18 @@ import torch
 
 from learner.algorithms.aggregation import token_weights
 from learner.algorithms.policy_losses import ppo_clip_loss
-from learner.batch import TrainSequence, completion_logprobs, pad_sequences
 from learner.packing import (
     block_causal_mask,
-    pack_sequences,
     packed_at_completion,
     packed_completion_logprobs,
     plan_micro_batches,
 )
+from tests.reference_batch import TrainSequence, completion_logprobs, packed, pad_sequences, rank_batch
 
 PAD = 0
 
 
-def _seq(prompt, completion, mask=None, with_optional=False):
+def _seq(prompt, completion, with_optional=False, mask=None):
     c = len(completion)
     extra = {}
     if with_optional:
@@ -88,7 +87,7 @@ def _unpadded_logprobs(model, seqs):
 
 def test_pack_layout_by_hand():
     seqs = [_seq([5, 6], [7, 8, 9]), _seq([10], [11])]
-    b = pack_sequences(seqs, PAD)
+    b, _ = packed(seqs, PAD)
     # row: 5 6 | 7 8 9 | 10 | 11   (no padding: L = 5 + 2 = 7)
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
     assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]  # restarts at the second sequence
@@ -116,23 +115,28 @@ def test_pack_layout_by_hand():
 
 def test_completion_fields_match_padded_batch():
     seqs = [_seq([5, 6], [7, 8, 9], mask=[1, 0, 1], with_optional=True), _seq([10], [11], with_optional=True)]
-    packed, padded = pack_sequences(seqs, PAD), pad_sequences(seqs, PAD)
-    for name in (
-        "completion_ids",
-        "completion_mask",
-        "advantages",
-        "sampler_logprobs",
-        "old_logprobs",
-        "ref_logprobs",
-        "returns",
-        "old_values",
-    ):
-        assert torch.equal(getattr(packed, name), getattr(padded, name)), name
-    assert pack_sequences([_seq([1], [2])], PAD).old_logprobs is None  # absent fields stay absent
+    (inputs, tokens), padded = packed(seqs, PAD), pad_sequences(seqs, PAD)
+    assert torch.equal(inputs.completion_ids, padded.completion_ids)
+    for name in ("completion_mask", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs", "returns"):
+        assert torch.equal(getattr(tokens, name), getattr(padded, name)), name
+    assert torch.equal(tokens.old_values, padded.old_values)
+    assert packed([_seq([1], [2])], PAD)[1].old_logprobs is None  # absent fields stay absent
+
+
+def test_the_table_keeps_every_micro_batch_in_its_rows():
+    # three sequences in micro-batches of 2 and 1: the second micro-batch reads table row 2 only
+    seqs = [_seq([5], [7, 8], with_optional=True), _seq([6], [9], with_optional=True), _seq([4], [1, 2, 3], True)]
+    batch = rank_batch(seqs, PAD, sizes=[2, 1])
+    first, second = batch.minibatches[0]
+    assert (first.rows, first.width, second.rows, second.width) == (slice(0, 2), 2, slice(2, 3), 3)
+    assert batch.view(second).advantages.tolist() == [pytest.approx([0.1, 0.2, 0.3])]
+    batch.write("old_logprobs", second, torch.tensor([[-1.0, -2.0, -3.0]]))  # what scoring stores ...
+    assert batch.view(second).old_logprobs.tolist() == [[-1.0, -2.0, -3.0]]  # ... is what training reads
+    assert batch.export_flat("old_logprobs").tolist() == pytest.approx([-0.1, -0.2, -0.1, -1.0, -2.0, -3.0])
 
 
 def test_packed_at_completion_reads_position_before_each_token():
-    b = pack_sequences([_seq([5, 6], [7, 8, 9]), _seq([10], [11])], PAD)
+    b, _ = packed([_seq([5, 6], [7, 8, 9]), _seq([10], [11])], PAD)
     values = torch.arange(7.0)[None] * 10  # V(s_j) = 10 j, [1, L]
     # completion positions [[2,3,4],[6,-,-]] -> read j = p - 1 = [[1,2,3],[5,0,0]] -> x10
     assert packed_at_completion(values, b).tolist() == [[10.0, 20.0, 30.0], [50.0, 0.0, 0.0]]
@@ -167,18 +171,19 @@ def test_packed_logprobs_equal_unpadded(models, impl, mask_dtype):
     seqs = _random_seqs(SHAPES)
     with torch.no_grad():
         reference = _unpadded_logprobs(model, seqs)
-        batch = pack_sequences(seqs, PAD, mask_dtype=mask_dtype)
-        packed, entropy = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch, with_entropy=True)
+        batch, tokens = packed(seqs, PAD, mask_dtype=mask_dtype)
+        logits = model(**batch.model_inputs()).logits
+        logprobs, entropy = packed_completion_logprobs(logits, batch, tokens.completion_mask, with_entropy=True)
         padded_batch = pad_sequences(seqs, PAD)
         padded_logits = model(input_ids=padded_batch.input_ids, attention_mask=padded_batch.attention_mask).logits
         padded, padded_entropy = completion_logprobs(padded_logits, padded_batch, with_entropy=True)
     for i, ref in enumerate(reference):
         c = len(ref)
-        assert (packed[i, :c] - ref).abs().max().item() < 1e-5, f"sequence {i}"
-        assert (packed[i, c:] == 0).all()
-    assert (packed - padded).abs().max().item() < 1e-5
+        assert (logprobs[i, :c] - ref).abs().max().item() < 1e-5, f"sequence {i}"
+        assert (logprobs[i, c:] == 0).all()
+    assert (logprobs - padded).abs().max().item() < 1e-5
     assert (entropy - padded_entropy).abs().max().item() < 1e-5
-    assert packed[0, 0].item() < 0  # a real log-prob, not a zeroed slot
+    assert logprobs[0, 0].item() < 0  # a real log-prob, not a zeroed slot
 
 
 @pytest.mark.parametrize("row_tokens", [None, 200, 250], ids=["rows-of-longest", "rows-200", "rows-250"])
@@ -188,11 +193,11 @@ def test_multi_row_packing_equals_unpadded(models, row_tokens):
     seqs = _random_seqs(SHAPES)
     with torch.no_grad():
         reference = _unpadded_logprobs(model, seqs)
-        batch = pack_sequences(seqs, PAD, mask_dtype=torch.bool, row_tokens=row_tokens)
+        batch, tokens = packed(seqs, PAD, mask_dtype=torch.bool, row_tokens=row_tokens)
         assert batch.input_ids.shape[0] > 1  # really several rows
-        packed = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
+        logprobs = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch, tokens.completion_mask)
     for i, ref in enumerate(reference):
-        assert (packed[i, : len(ref)] - ref).abs().max().item() < 1e-5, f"sequence {i}"
+        assert (logprobs[i, : len(ref)] - ref).abs().max().item() < 1e-5, f"sequence {i}"
 
 
 def test_rows_are_first_fit_decreasing_and_never_split_a_sequence():
@@ -212,11 +217,12 @@ def test_without_mask_or_positions_sequences_leak(models):
     seqs = _random_seqs(SHAPES)
     with torch.no_grad():
         reference = _unpadded_logprobs(model, seqs)
-        batch = pack_sequences(seqs, PAD, mask_dtype=None)
-        leaky = packed_completion_logprobs(model(input_ids=batch.input_ids).logits, batch)
+        batch, tokens = packed(seqs, PAD, mask_dtype=None)
+        mask = tokens.completion_mask
+        leaky = packed_completion_logprobs(model(input_ids=batch.input_ids).logits, batch, mask)
         # and position_ids without use_cache=False: transformers skips its packing detection
         no_cache_off = packed_completion_logprobs(
-            model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch, mask
         )
     assert (leaky[0, :1] - reference[0]).abs().max() < 1e-5  # the first sequence sees nothing earlier
     assert (leaky[1, :190] - reference[1]).abs().max() > 1e-2
@@ -226,11 +232,11 @@ def test_without_mask_or_positions_sequences_leak(models):
 def test_logits_to_keep_gives_the_same_logprobs(models):
     model = models["sdpa"]
     seqs = _random_seqs(SHAPES)
-    batch = pack_sequences(seqs, PAD)
+    batch, tokens = packed(seqs, PAD)
     with torch.no_grad():
-        full = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
+        full = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch, tokens.completion_mask)
         kept_logits = model(**batch.model_inputs(), logits_to_keep=batch.logit_positions).logits
-        kept = packed_completion_logprobs(kept_logits, batch)
+        kept = packed_completion_logprobs(kept_logits, batch, tokens.completion_mask)
     # N = 1 + 190 + 7 + 33 + 2 = 233 predicting positions instead of L = 271
     assert kept_logits.shape[1] == 233 and batch.input_ids.shape[1] == 271
     assert torch.equal(kept, full)
@@ -249,9 +255,9 @@ def test_packed_gradients_equal_sum_of_per_sequence_gradients(models):
         for acc, p in zip(reference, params, strict=True):
             acc += p.grad
     model.zero_grad()
-    batch = pack_sequences(seqs, PAD)
-    packed = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
-    (packed * batch.advantages).sum().backward()
+    batch, tokens = packed(seqs, PAD)
+    logprobs = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch, tokens.completion_mask)
+    (logprobs * tokens.advantages).sum().backward()
     # fp32 summation order differs (one row vs three): elementwise |g - g_ref| <= 1e-5 + 1e-5 |g_ref|
     # (gradients reach ~50 here; the largest difference measured was 7.6e-6)
     for p, ref in zip(params, reference, strict=True):
@@ -263,12 +269,14 @@ def test_packed_gradients_equal_sum_of_per_sequence_gradients(models):
 def test_empty_micro_batch_dummy_has_zero_loss_and_zero_gradients(models):
     # an empty planned micro-batch still runs forward + backward (ZeRO collectives), with weight 0
     model = models["sdpa"]
-    batch = pack_sequences([], PAD)
+    batch, tokens = packed([], PAD)
     assert batch.is_dummy and batch.completion_lengths == [] and batch.input_ids.tolist() == [[PAD, PAD]]
+    assert tokens.completion_mask.tolist() == [[0.0]]  # the table gives the dummy mask 0
     model.zero_grad(set_to_none=True)
-    logprobs = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch)
-    weights = token_weights(batch.completion_mask, "token_mean", num_tokens=100.0)  # mask 0 -> w = 0
-    loss, _ = ppo_clip_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask, weights)
+    logprobs = packed_completion_logprobs(model(**batch.model_inputs()).logits, batch, tokens.completion_mask)
+    weights = token_weights(tokens.completion_mask, "token_mean", num_tokens=100.0)  # mask 0 -> w = 0
+    old, adv = torch.zeros_like(logprobs), torch.ones_like(logprobs)
+    loss, _ = ppo_clip_loss(logprobs, old, adv, tokens.completion_mask, weights)
     loss.backward()
     assert loss.item() == 0.0
     grads = [p.grad for p in model.parameters()]

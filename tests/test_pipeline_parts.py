@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from cluster.weights import FlatWeights, LocalWeightChannel, WeightsTimeout
-from launch.config import load_config
+from cluster.channel import ChannelClosed, WeightsTimeout
+from cluster.weights import FlatWeights, LocalWeightChannel
 from launch.stepping import BatchCollector, Pace
-from learner.batch import completion_logprobs, pad_sequences
-from learner.group import build_train_sequences, merge_rank_metrics, scored_batch, shard_sequences
-from learner.returns import RewardStats, compute_advantages, shape_sequence_rewards
-from queues.bounded import LocalQueue, QueueTimeout
-from tests.fakes import make_group, make_sequence
+from learner.group import merge_rank_metrics
+from learner.step_plan import plan_step
+from queues.bounded import LocalQueue, QueueClosed, QueueTimeout
+from tests.fakes import make_group, make_sequence, make_trajectory
+from tests.reference_batch import completion_logprobs, pad_sequences
 
 
 def test_queue_backpressure_and_deadlines():
@@ -27,6 +27,33 @@ def test_queue_backpressure_and_deadlines():
     assert q.get_batch(5, timeout=0.05) == []  # empty: returns after the deadline, does not hang
 
 
+def test_closing_a_queue_wakes_its_waiters_at_once():
+    import threading
+    import time
+
+    q = LocalQueue("prompt", maxsize=1)
+    woke = []
+
+    def consumer():
+        start = time.monotonic()
+        try:
+            q.get_batch(1, timeout=30)
+        except QueueClosed:
+            woke.append(time.monotonic() - start)
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    q.put_many(["a"], timeout=1)  # taken by the waiting consumer? then it returns normally
+    t.join(5)
+    t = threading.Thread(target=consumer)
+    t.start()
+    q.close_now()
+    t.join(5)
+    assert not t.is_alive() and len(woke) == 1  # the second consumer was woken by the close, not the deadline
+    with pytest.raises(QueueClosed):
+        q.put_many(["b"], timeout=1)
+
+
 def test_weight_channel_waits_with_a_deadline():
     ch = LocalWeightChannel()
     with pytest.raises(WeightsTimeout, match="policy version 1, newest published is 0"):
@@ -35,6 +62,9 @@ def test_weight_channel_waits_with_a_deadline():
     ch.publish(1, [("w", torch.zeros(1))])  # an older version never replaces a newer one
     version, named = ch.fetch(1, timeout=0.05)
     assert version == 2 and float(named[0][1]) == 1.0
+    ch.close()
+    with pytest.raises(ChannelClosed):  # a closed channel answers a wait for a newer version at once
+        ch.fetch(3, timeout=30)
 
 
 def test_flat_weights_round_trip_every_dtype_and_shape():
@@ -80,9 +110,9 @@ def test_pace_admits_within_the_staleness_bound():
         waiter = asyncio.create_task(pace.admit(8))
         await asyncio.sleep(0.01)
         assert not waiter.done()  # prompt 8 belongs to step 2: needs version 1
-        pace.advance(1)
+        await pace.advance(1)
         await asyncio.wait_for(waiter, 1)
-        pace.drop()  # a dropped prompt is replaced by one more admission
+        await pace.drop()  # a dropped prompt is replaced by one more admission
         assert pace.allowance() == 13
 
     asyncio.run(go())
@@ -105,7 +135,11 @@ def test_collector_drops_too_stale_groups_and_counts_them():
             timeout=1,
         )
         dropped = []
-        collector = BatchCollector(q, {}, run=None, timeout=5, on_drop=lambda: dropped.append(1))
+
+        async def on_drop():
+            dropped.append(1)
+
+        collector = BatchCollector(q, {}, run=None, timeout=5, on_drop=on_drop)
         batch = await collector.collect(2, step=2, max_staleness=1)
         return batch, dropped
 
@@ -115,43 +149,37 @@ def test_collector_drops_too_stale_groups_and_counts_them():
     assert batch.staleness == {0: 6, 1: 6}  # per token: 2 sequences x 3 tokens each
 
 
-def test_grpo_advantages_from_groups_cover_every_completion_token():
-    groups = [make_group(0, [1.0, 0.0], completion_len=3), make_group(1, [0.5, 0.5], completion_len=2)]
-    seqs = build_train_sequences(groups)
-    batch = scored_batch(groups, seqs, kl_estimator=None)
-    algo = load_config(None, ["model.path=m", "data.prompts=p", "reward.function=r"]).algorithm.model_dump()
-    rewards = shape_sequence_rewards(batch, algo, max_tokens=4, stats=RewardStats())
-    advantages, returns = compute_advantages("grpo", batch, algo, rewards, kl_beta=0.0)
-    # group 0: mean 0.5, population std 0.5 -> (1 - 0.5)/0.5 = 1, -1; group 1: identical -> 0
-    expected = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
-    assert returns is None
-
-
-def test_shards_balance_tokens_with_equal_micro_batch_counts_and_global_normalisers():
+def test_the_step_plan_balances_ranks_with_global_normalisers_and_maps_both_ways():
     rng = random.Random(0)
-    seqs = [make_sequence(rng, 3, rng.randint(1, 6)) for _ in range(10)]
-    shards = shard_sequences(seqs, ranks=2, token_budget=12)
-    mbs = [s.minibatches[0] for s in shards]
-    assert len(mbs[0].micro_batches) == len(mbs[1].micro_batches)  # collectives must match
-    assert sorted(id(x) for mb in mbs for micro in mb.micro_batches for x in micro) == sorted(map(id, seqs))
-    for mb in mbs:
-        for micro in mb.micro_batches:
-            assert len(micro) <= 1 or sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for x in micro) <= 12
-    rank_tokens = [
-        sum(len(x.prompt_token_ids) + len(x.completion_token_ids) for micro in mb.micro_batches for x in micro)
-        for mb in mbs
+    trajs = [make_trajectory([4, 5, 6], [7] * rng.randint(1, 6), reward=float(i)) for i in range(10)]
+    rewards = torch.arange(10.0)
+    plan = plan_step(trajs, rewards, ranks=2, token_budget=12)
+    sizes = [s.micro_sizes[0] for s in plan.shards]
+    assert len(sizes[0]) == len(sizes[1])  # collectives must match
+    assert sorted(i for order in plan.order for i in order.tolist()) == list(range(10))
+    tokens = [int(s.tokens.prompt_offsets[-1] + s.tokens.completion_offsets[-1]) for s in plan.shards]
+    assert abs(tokens[0] - tokens[1]) <= 9  # within the longest sequence (3 + 6)
+    for shard, order in zip(plan.shards, plan.order):
+        assert shard.tokens.rewards.tolist() == [float(i) for i in order]  # rewards follow the rank's order
+        assert shard.tokens.completion_lengths.tolist() == [len(trajs[i].completion_token_ids) for i in order]
+        start = 0
+        for size in shard.micro_sizes[0]:  # micro-batches are contiguous runs within the budget
+            lens = shard.tokens.completion_lengths[start : start + size] + 3
+            assert size <= 1 or lens.sum() <= 12
+            start += size
+    total = sum(len(t.completion_token_ids) for t in trajs)
+    assert all(s.normalisers[0].num_tokens == total and s.normalisers[0].num_sequences == 10 for s in plan.shards)
+    # per-sequence values round-trip: rank-local -> global -> rank-local
+    local = [{"x": s.tokens.rewards * 2} for s in plan.shards]
+    assert plan.gather(local)["x"].tolist() == (rewards * 2).tolist()
+    back = plan.scatter({"x": rewards})
+    assert [b["x"].tolist() for b in back] == [s.tokens.rewards.tolist() for s in plan.shards]
+    # two minibatches: each optimizer step has its own global normaliser over its 5 sequences
+    two = plan_step(trajs, rewards, ranks=1, token_budget=64, minibatches=2).shards[0]
+    assert [n.num_tokens for n in two.normalisers] == [
+        float(sum(len(t.completion_token_ids) for t in trajs[:5])),
+        float(sum(len(t.completion_token_ids) for t in trajs[5:])),
     ]
-    assert abs(rank_tokens[0] - rank_tokens[1]) <= 9  # within the longest sequence (3 + 6)
-    assert all(mb.num_tokens == sum(len(x.completion_token_ids) for x in seqs) for mb in mbs)
-    assert all(mb.num_sequences == 10 and mb.max_len == max(len(x.completion_token_ids) for x in seqs) for mb in mbs)
-    # Two minibatches: each optimizer step has its own global normaliser over its 5 sequences.
-    two = shard_sequences(seqs, ranks=1, token_budget=64, minibatches=2)[0]
-    assert [mb.num_tokens for mb in two.minibatches] == [
-        float(sum(len(x.completion_token_ids) for x in seqs[:5])),
-        float(sum(len(x.completion_token_ids) for x in seqs[5:])),
-    ]
-    assert sorted(map(id, two.sequences())) == sorted(map(id, seqs))
 
 
 def test_merged_metrics_sum_loss_and_weight_by_tokens():

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import (
-    PlacementError,
-    check_fits,
-    describe_plan,
-    generation_actor_options,
-    plan_bundles,
-    required_resources,
-)
-from launch.config import CRITIC_METHODS, ConfigError, load_config
+from cluster.placement import PlacementError, check_fits, describe_plan, plan_bundles, required_resources
+from launch.config import ConfigError, load_config
+from launch.plan import actor_environment, build_plan
 
 REQUIRED = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
 PPO_KL = ["algorithm.name=ppo", "algorithm.kl.placement=loss"]
 
 
-def plan(*overrides: str) -> dict:
-    return load_config(None, REQUIRED + list(overrides)).placement()
+def plan(*overrides: str) -> list:
+    return build_plan(load_config(None, REQUIRED + list(overrides))).kinds
 
 
 def test_colocated_critic_and_reference_add_no_process():
@@ -47,14 +41,14 @@ def test_separate_critic_mirrors_the_learner_ranks_and_references_count_their_ow
     assert bundles["critic-1"] == {"CPU": 1.0, "GPU": 0.5}
     assert bundles["reference-2"] == {"CPU": 1.0, "ref_node": 1.0}
     assert required_resources(p) == {"CPU": 9.0, "GPU": 3.0, "ref_node": 3.0}
-    text = describe_plan(p)
+    text = describe_plan(p, "PACK")
     assert "9 bundles" in text and "critic-0" in text and "reference-2" in text
 
 
 def test_separate_placement_is_ignored_when_the_run_has_no_such_model():
     # GRPO has no critic and, without a KL term, no reference: nothing extra is placed.
     p = plan("resources.critic.placement=separate", "resources.reference.placement=separate")
-    assert p["critic"] is None and p["reference"] is None
+    assert [k.prefix for k in p] == ["actor", "learner"]
     assert [name for name, _ in plan_bundles(p)] == ["actor-0", "learner-0"]
 
 
@@ -75,14 +69,14 @@ def test_tensor_parallel_actors_take_that_many_gpus_or_cores(monkeypatch):
     assert dict(plan_bundles(p))["actor-0"] == {"CPU": 1.0, "GPU": 2.0}
     with pytest.raises(ConfigError, match="one shard per core, but resources.actors.num_cpus = 1 reserves fewer"):
         plan("resources.actors.tensor_parallel=2")
-    actors = plan("resources.actors.tensor_parallel=2", "resources.actors.num_cpus=2", "resources.actors.count=2")[
-        "actors"
-    ]
+    cfg = load_config(
+        None,
+        REQUIRED + ["resources.actors.tensor_parallel=2", "resources.actors.num_cpus=2", "resources.actors.count=2"],
+    )
+    assert "vLLM tensor parallel 2" in describe_plan(build_plan(cfg).kinds, "PACK")
 
     def binding(index: int) -> str:
-        return generation_actor_options(actors, index, {"kv_cache_gib": 1})["runtime_env"]["env_vars"][
-            "VLLM_CPU_OMP_THREADS_BIND"
-        ]
+        return actor_environment(cfg, index)["VLLM_CPU_OMP_THREADS_BIND"]
 
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     assert [binding(0), binding(1)] == ["0|1", "2|3"]  # one core per shard, engines apart
@@ -90,7 +84,9 @@ def test_tensor_parallel_actors_take_that_many_gpus_or_cores(monkeypatch):
     assert [binding(0), binding(1)] == ["0|1", "0|1"]  # oversubscribed, as every small CPU run is
 
 
-def test_critic_methods_match_the_method_registry():
+def test_a_critic_is_placed_exactly_for_the_methods_that_need_one():
     from learner.methods import METHODS
 
-    assert set(CRITIC_METHODS) == {name for name, m in METHODS.items() if m.needs_critic}
+    for name, method in METHODS.items():
+        kinds = plan(f"algorithm.name={name}", "resources.critic.placement=separate")
+        assert ("critic" in [k.prefix for k in kinds]) == method.needs_critic, name

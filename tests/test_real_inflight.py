@@ -13,9 +13,8 @@ import time
 import pytest
 import torch
 
-from cluster.placement import generation_actor_options
-from launch.config import EngineConfig, RolloutConfig
 from queues.messages import PromptRequest
+from tests.runs import actor_options, actor_spec
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +31,10 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
 
     from actors.async_generation import AsyncGenerationActor
 
-    engine = EngineConfig().model_dump()
     # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way.
-    rollout = RolloutConfig(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight").model_dump()
-    actor = (
-        ray.remote(AsyncGenerationActor)
-        .options(**generation_actor_options({"num_cpus": 1, "num_gpus": 0}, 0, engine))
-        .remote("actor-0", tiny_model_dir, engine, rollout, "builtin:successor", "float32", 0, str(tmp_path / "a.log"))
-    )
+    rollout = dict(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight")
+    spec = actor_spec(tiny_model_dir, str(tmp_path / "a.log"), "builtin:successor", **rollout)
+    actor = ray.remote(AsyncGenerationActor).options(**actor_options()).remote(spec)
     ray.get(actor.ready.remote())
     ray.get(actor.completion_logprobs.remote([5, 6], [7]))  # warm-up: the first logprobs call compiles an op
 
@@ -58,12 +53,12 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
     group = ray.get(group_ref)
 
     for traj in group.trajectories:
-        versions = traj.policy_versions
+        versions = traj.policy_versions.tolist()
         assert versions == sorted(versions) and set(versions) == {0, 1}, "the update did not land mid-generation"
         split = versions.index(1)
-        lp_old = _logprobs(old, traj.prompt_token_ids, traj.completion_token_ids)
-        lp_new = _logprobs(new, traj.prompt_token_ids, traj.completion_token_ids)
-        sampled = traj.sampler_logprobs
+        prompt, completion = traj.prompt_token_ids.tolist(), traj.completion_token_ids.tolist()
+        lp_old, lp_new = _logprobs(old, prompt, completion), _logprobs(new, prompt, completion)
+        sampled = traj.sampler_logprobs.tolist()
         before = max(abs(a - b) for a, b in zip(sampled[:split], lp_old[:split]))
         after = max(abs(a - b) for a, b in zip(sampled[split:], lp_new[split:]))
         assert before < 1e-4 and after < 1e-4, (before, after)

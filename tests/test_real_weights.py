@@ -11,12 +11,11 @@ import random
 
 import pytest
 
-from cluster.placement import generation_actor_options, learner_rank_options
-from cluster.weights import build_weight_channel
-from launch.config import AlgorithmConfig, EngineConfig, LearnerConfig, RolloutConfig
-from learner.group import LearnerGroup, shard_sequences
-from tests.fakes import make_sequence
-from tests.runs import DEMO, read_summary, train
+from cluster.config import WeightsConfig
+from learner.config import AlgorithmConfig, LearnerConfig
+from learner.group import LearnerGroup
+from tests.fakes import make_group, make_sequence
+from tests.runs import DEMO, actor_options, actor_spec, rank_options, read_summary, train
 
 pytestmark = pytest.mark.slow
 
@@ -27,52 +26,37 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path, t
     the pushed weights reach both shards through vLLM's own loader."""
     ray = ray_session
     from actors.generation import GenerationActor
-    from learner.worker import LearnerWorker
+    from learner.worker import LearnerWorker, RankSpec
 
-    engine = {**EngineConfig().model_dump(), "tensor_parallel_size": tensor_parallel}
-    placement = {"num_cpus": tensor_parallel, "num_gpus": 0, "tensor_parallel": tensor_parallel}
-    actor = (
-        ray.remote(GenerationActor)
-        .options(**generation_actor_options(placement, 0, engine))
-        .remote(
-            "actor-0",
-            tiny_model_dir,
-            engine,
-            RolloutConfig().model_dump(),
-            "builtin:echo",
-            "float32",
-            0,
-            str(tmp_path / "actor.log"),
-        )
-    )
-    learner_cfg = LearnerConfig(lr=0.05).model_dump()  # a big step, so the weights visibly change
-    worker = (
-        ray.remote(LearnerWorker)
-        .options(**learner_rank_options({"num_cpus": 1, "num_gpus": 0}))
-        .remote(0, 1, str(tmp_path / "learner.log"))
-    )
+    spec = actor_spec(tiny_model_dir, str(tmp_path / "actor.log"), tensor_parallel=tensor_parallel)
+    actor = ray.remote(GenerationActor).options(**actor_options(tensor_parallel)).remote(spec)
+    worker = ray.remote(LearnerWorker).options(**rank_options()).remote(0, 1, str(tmp_path / "learner.log"))
     addr, port = ray.get(worker.rendezvous_address.remote())
-    ray.get(worker.setup.remote(addr, port, tiny_model_dir, learner_cfg, AlgorithmConfig().model_dump(), "float32", 0))
+    # a big step (lr 0.05), so the weights visibly change
+    rank = RankSpec(tiny_model_dir, LearnerConfig(lr=0.05), AlgorithmConfig(), "float32", 0, max_tokens=16)
+    ray.get(worker.setup.remote(addr, port, rank))
     assert ray.get(actor.ready.remote())["tensor_parallel"] == tensor_parallel
 
-    rng = random.Random(0)
-    probe = make_sequence(rng, prompt_len=5, completion_len=6)
+    probe = make_sequence(random.Random(0), prompt_len=5, completion_len=6)
     prompt, completion = probe.prompt_token_ids, probe.completion_token_ids
     before = ray.get(actor.completion_logprobs.remote(prompt, completion))
-    learner_before = ray.get(worker.logprobs.remote([probe]))[0]
+    learner_before = ray.get(worker.completion_logprobs.remote(prompt, completion))
     # Same initial weights on both sides: vLLM and transformers agree in fp32.
     assert max(abs(a - b) for a, b in zip(before, learner_before)) < 1e-4
 
-    batch = [make_sequence(rng, 5, 6) for _ in range(8)]
-    group = LearnerGroup([worker], AlgorithmConfig().model_dump(), token_budget=4096, max_tokens=16)
-    ray.get(worker.train_step.remote(shard_sequences(batch, 1, 4096)[0]))
-    weights_ref = asyncio.run(group.export_weights())
+    group = LearnerGroup([worker], AlgorithmConfig(), token_budget=4096, max_tokens=16)
+    batch = [make_group(p, [1.0, 0.0, 0.5, 0.0], completion_len=6) for p in range(2)]
 
-    channel = build_weight_channel("ray")
-    channel.publish(1, weights_ref)
+    async def step_and_publish():
+        await group.train_step(batch)
+        (channel,) = await group.open_weight_channel(WeightsConfig(), ["actor-0"], 30.0)
+        await group.publish_weights(1)  # rank 0 puts the weights into Ray's object store
+        return channel
+
+    channel = asyncio.run(step_and_publish())
     ray.get(actor.sync_weights.remote(channel, 1, 30.0))
     after = ray.get(actor.completion_logprobs.remote(prompt, completion))
-    learner_after = ray.get(worker.logprobs.remote([probe]))[0]
+    learner_after = ray.get(worker.completion_logprobs.remote(prompt, completion))
 
     assert ray.get(actor.stats.remote())["version"] == 1
     assert max(abs(a - b) for a, b in zip(after, learner_after)) < 1e-4

@@ -1,0 +1,90 @@
+"""What both generation actors are built from, and what they share: engine arguments, sampling
+parameters, the start-up report.
+
+``GenerationActor`` (weights loaded between generate calls) and ``AsyncGenerationActor``
+(in-flight updates) take the same ``ActorSpec``; the driver builds one per actor.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from actors.config import EngineConfig, RolloutConfig
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """One generation actor."""
+
+    name: str  # "actor-<i>": in messages, logs and the placement plan
+    model_path: str  # Hugging Face directory or hub id
+    engine: EngineConfig
+    rollout: RolloutConfig
+    reward_function: str  # "path/file.py:function" or "builtin:<task>"
+    dtype: str  # "float32" | "bfloat16"
+    seed: int  # sampling seed of this actor
+    tensor_parallel: int = 1  # vLLM shards (placement decides: GPUs, or cores on CPU)
+    log_path: str | None = None  # this process's output file
+    step_delimiter: str | None = None  # set for process supervision: one reward per reasoning step
+
+
+@dataclass(frozen=True)
+class ActorTimeouts:
+    """The deadlines of an actor's loop."""
+
+    data_s: float  # longest wait to hand a group to a full results queue
+    weights_s: float  # longest wait for the weights a prompt needs
+    idle_s: float = 60.0  # one wait for prompts (renewed; a put or closing the queue wakes it sooner)
+
+
+def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
+    """vLLM engine arguments, shared by the sync and the in-flight actor."""
+    import torch
+
+    tp = spec.tensor_parallel
+    memory = (
+        {"gpu_memory_utilization": spec.engine.gpu_memory_utilization}
+        if torch.cuda.is_available()
+        else {"kv_cache_memory_bytes": spec.engine.kv_cache_gib << 30}
+    )
+    return dict(
+        model=spec.model_path,
+        dtype=spec.dtype,
+        seed=spec.seed,
+        max_model_len=spec.engine.max_model_len,
+        enforce_eager=spec.engine.enforce_eager,
+        worker_extension_cls="actors.vllm_worker.WeightReceiver",
+        tensor_parallel_size=tp,
+        # shard workers as child processes of this actor, on the GPUs (or cores) Ray gave it;
+        # inside a Ray actor vLLM would otherwise pick its Ray executor and ask for new bundles
+        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
+        **memory,
+    )
+
+
+def sampling_params(rollout: RolloutConfig, n: int, seed: int | None = None, stream: bool = False):
+    """``n`` samples per prompt with the sampled tokens' logprobs; ``seed`` makes them reproducible
+    per prompt; ``stream`` returns tokens as they are produced (the in-flight actor)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        max_tokens=rollout.max_tokens,
+        min_tokens=rollout.min_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        logprobs=0,  # the sampled token's logprob
+        seed=seed,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE,  # vLLM's default
+    )
+
+
+def ready_report(spec: ActorSpec, version: int, tensor_parallel: int) -> dict[str, Any]:
+    """What ``ready()`` returns: who and where the actor is, and how vLLM really sharded it."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    return {"name": spec.name, "pid": os.getpid(), "version": version, "node": node, "tensor_parallel": tensor_parallel}

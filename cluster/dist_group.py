@@ -1,0 +1,97 @@
+"""The process group under the distributed weight channel, and its deadline-bounded broadcast.
+
+The group lives beside DeepSpeed's default group: it is built directly from a ``TCPStore``
+(``ray.util.collective`` cannot be used when a learner rank is a member: it reuses the rank's
+already-initialised default group and its rendezvous times out).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def build_group(backend: str, store, rank: int, world_size: int, timeout_s: float, publisher_host: str):
+    """A process group of its own over ``store`` (not the default group DeepSpeed uses)."""
+    prefixed = dist.PrefixStore("group", store)
+    if backend == "gloo":
+        # Bind gloo to the interface that reaches the publisher (GLOO_SOCKET_IFNAME overrides), not
+        # to whatever this host's name resolves to, which may be a loopback address on another node.
+        interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(interface=interface)
+            if interface
+            else dist.ProcessGroupGloo.create_device(hostname=address_towards(publisher_host))
+        ]
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("weights backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"unknown process-group backend {backend!r}; use 'gloo' or 'nccl'")
+
+
+def device_of(backend: str) -> str:
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def broadcast_all(group, buffers: Iterable[torch.Tensor], deadline: float) -> None:
+    """Broadcast every buffer from rank 0 (queued together, so packing overlaps sending); each
+    operation and each wait is bounded by ``deadline``."""
+    works = []
+    for buf in buffers:
+        if buf.numel() == 0:
+            continue
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.timeout = 0, left(deadline)
+        works.append(group.broadcast([buf], opts))
+    for work in works:
+        if not work.wait(left(deadline)):
+            raise TimeoutError("broadcast did not finish before the deadline")
+
+
+def left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+def abort(group) -> None:
+    """Drop a group after a failure so no half-finished operation lingers."""
+    for method in ("abort", "shutdown"):
+        try:
+            getattr(group, method)()
+            return
+        except Exception:
+            continue
+
+
+def short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def wait_keys(store, keys: list[str], timeout_s: float) -> bool:
+    """Block until every key is set (the store wakes the waiter: no polling); False at the deadline."""
+    try:
+        store.wait(keys, timedelta(seconds=max(0.001, timeout_s)))
+        return True
+    except dist.DistStoreError as exc:
+        if "timeout" in str(exc).lower():
+            return False
+        raise

@@ -1,0 +1,63 @@
+"""The run's processes as placement sees them: one ``ProcessKind`` per kind of process.
+
+The actors and the learner ranks always; PPO's critic and the KL reference model only when
+the run has them and they are placed on processes of their own (colocated, they live on the
+learner ranks and add no process). Each kind carries the environment its role needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.environment import actor_env
+from cluster.placement import ProcessKind
+from launch.config import TandemConfig
+from learner.environment import rank_env
+
+
+@dataclass(frozen=True)
+class Plan:
+    actors: ProcessKind
+    learner: ProcessKind
+    critic: ProcessKind | None  # separate critic ranks, one per learner rank
+    reference: ProcessKind | None  # separate reference actors
+
+    @property
+    def kinds(self) -> list[ProcessKind]:
+        return [k for k in (self.actors, self.learner, self.critic, self.reference) if k is not None]
+
+
+def _kind(prefix: str, label: str, count: int, section, key: str, **extra) -> ProcessKind:
+    """A kind of process whose resources are the ``resources.<key>`` section ``section``."""
+    return ProcessKind(
+        prefix, label, count, section.num_cpus, section.num_gpus, dict(section.custom), f"resources.{key}", **extra
+    )
+
+
+def build_plan(cfg: TandemConfig) -> Plan:
+    res = cfg.resources
+    tp = res.actors.tensor_parallel
+    actors = _kind("actor", "actor", res.actors.count, res.actors, "actors", count_key="resources.actors.count",
+                   note=f"vLLM tensor parallel {tp}" if tp > 1 else "")  # fmt: skip
+    learner = _kind("learner", "learner rank", res.learner.ranks, res.learner, "learner",
+                    count_key="resources.learner.ranks")  # fmt: skip
+    separate_critic = cfg.has_critic and res.critic.placement == "separate"
+    separate_reference = cfg.has_reference and res.reference.placement == "separate"
+    both = separate_critic and separate_reference  # one hint names both: resources.critic/reference.placement
+    critic = reference = None
+    if separate_critic:  # as many critic ranks as learner ranks: they train on the same shards
+        hint = "resources.critic/reference.placement" if both else "resources.critic.placement"
+        critic = _kind("critic", "critic rank", res.learner.ranks, res.critic, "critic", colocate_hint=hint)
+    if separate_reference:
+        reference = _kind("reference", "reference actor", res.reference.count, res.reference, "reference",
+                          count_key="resources.reference.count",
+                          colocate_hint=None if both else "resources.reference.placement")  # fmt: skip
+    return Plan(actors, learner, critic, reference)
+
+
+def actor_environment(cfg: TandemConfig, index: int) -> dict[str, str]:
+    return actor_env(cfg.resources.actors, index, cfg.engine)
+
+
+def rank_environment(kind: ProcessKind) -> dict[str, str]:
+    return rank_env(kind.num_cpus, kind.num_gpus)

@@ -1,0 +1,166 @@
+"""The learner's config sections: the optimiser (``learner``) and the method (``algorithm``).
+
+Every choice is spelled by the registry that implements it: method names by
+``learner.methods.METHODS``, loss aggregations by ``learner.algorithms.AGGREGATIONS``, KL
+estimators by ``KL_ESTIMATORS``, importance-sampling levels and modes by
+``learner.algorithms.importance``; adding one there adds it here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from learner.algorithms import AGGREGATIONS, KL_ESTIMATORS
+from learner.algorithms.importance import LEVELS as TIS_LEVELS
+from learner.algorithms.importance import MODES as TIS_MODES
+from learner.methods import METHODS
+from queues.config import Section
+
+METHOD_NAMES = tuple(METHODS)
+
+
+class LearnerConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    token_budget: int = Field(
+        4096, gt=0, description="Tokens per packed micro-batch (one forward/backward); a longer sequence gets its own."
+    )
+    pack_row_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
+        "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
+    )
+
+
+class KLConfig(Section):
+    placement: Literal["none", "reward", "loss"] = Field(
+        "none", description="Where the KL to the reference model goes: per-token reward shaping, a loss term, or off."
+    )
+    estimator: Literal[tuple(KL_ESTIMATORS)] = Field(  # type: ignore[valid-type]
+        "k3", description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l."
+    )
+    beta: float = Field(0.01, ge=0, description="KL coefficient (the starting value when adaptive).")
+    adaptive: bool = Field(
+        False, description="Adapt beta towards kl.target: beta *= 1 + clip(KL/target - 1, +-0.2) n/H."
+    )
+    target: float = Field(0.01, gt=0, description="Adaptive KL target per token.")
+    horizon: int = Field(10000, gt=0, description="Adaptive KL horizon H, in samples.")
+    reference_path: str | None = Field(None, description="Reference model (default: the initial policy, model.path).")
+
+    @property
+    def enabled(self) -> bool:
+        """A reference model is needed and the KL is measured."""
+        return self.placement != "none"
+
+    @property
+    def in_reward(self) -> bool:
+        return self.placement == "reward"
+
+    @property
+    def in_loss(self) -> bool:
+        return self.placement == "loss"
+
+
+class CriticConfig(Section):
+    init: Literal["policy", "reward_model", "fresh"] = Field(
+        "policy", description="Value model start: the policy's transformer, a reward-model checkpoint, or random."
+    )
+    path: str | None = Field(
+        None, description="Value model checkpoint (a reward model or a smaller model); default: model.path."
+    )
+    lr: float = Field(1e-3, gt=0, description="Critic AdamW learning rate.")
+    value_clip: float | None = Field(
+        None, gt=0, description="Clip value updates to +-this around V_old (off if empty)."
+    )
+
+
+class SoftOverlongConfig(Section):
+    cache_len: int = Field(description="Tokens before max_tokens where the penalty starts ramping.")
+    factor: float = Field(1.0, ge=0, description="Penalty at the length limit (ramps linearly from 0).")
+
+
+class TISConfig(Section):
+    mode: Literal[("none", *TIS_MODES)] = Field(  # type: ignore[valid-type]
+        "truncate",
+        description="Sampler/learner correction: weight min(rho, cap), drop tokens outside [1/cap, cap], or none.",
+    )
+    level: Literal[TIS_LEVELS] = Field(  # type: ignore[valid-type]
+        "token", description="Ratio per token, or per sequence (geometric mean of its token ratios)."
+    )
+    cap: float = Field(2.0, gt=1, description="C: the truncation cap (and the mask's band [1/C, C]).")
+
+
+class AlgorithmConfig(Section):
+    name: Literal[METHOD_NAMES] = Field(  # type: ignore[valid-type]
+        "grpo", description="Method: " + ", ".join(METHOD_NAMES) + "."
+    )
+    loss_aggregation: Literal[AGGREGATIONS] | None = Field(  # type: ignore[valid-type]
+        None, description="token_mean, seq_mean or fixed_length (empty: the method's own; Dr. GRPO: fixed_length)."
+    )
+    clip_eps_low: float | None = Field(None, ge=0, description="Ratio clip below, 1 - eps_low (empty: method default).")
+    clip_eps_high: float | None = Field(
+        None, ge=0, description="Ratio clip above, 1 + eps_high (empty: method default)."
+    )
+    dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c for negative advantages (off if empty).")
+    epochs: int = Field(1, gt=0, description="Passes over each batch.")
+    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass (the batch is split in this many).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
+    whiten_advantages: bool = Field(False, description="Whiten advantages over the batch (masked).")
+    normalise_rewards: bool = Field(False, description="Scale rewards to zero mean, unit variance with running stats.")
+    whiten_rewards: Literal["none", "whiten", "whiten_keep_mean"] = Field(
+        "none", description="Whiten rewards over the batch; whiten_keep_mean adds the mean back."
+    )
+    truncation_penalty: float | None = Field(
+        None, description="Reward given instead of the score to a completion cut at max_tokens (off if empty)."
+    )
+    soft_overlong: SoftOverlongConfig | None = Field(
+        None, description="Ramp a penalty over the last cache_len tokens of the budget (off if empty)."
+    )
+    step_delimiter: str = Field(
+        "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
+    )
+    tis: TISConfig = Field(default_factory=TISConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+
+    @model_validator(mode="after")
+    def _kl_fits_the_method(self) -> AlgorithmConfig:
+        if self.kl.in_reward and not self.method.kl_in_reward:
+            raise ValueError(
+                f"algorithm.kl.placement=reward is not defined for {self.name} (its rewards are per step); "
+                "use algorithm.kl.placement=loss"
+            )
+        return self
+
+    @property
+    def method(self):
+        """The ``learner.methods.Method`` this section names."""
+        return METHODS[self.name]
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps on each batch: epochs x minibatches."""
+        return self.epochs * self.minibatches
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation in force: the configured one, else the method's own."""
+        return self.loss_aggregation or self.method.aggregation
+
+    @property
+    def clip(self) -> tuple[float, float] | None:
+        """(eps_low, eps_high) of the ratio clip, or None for a loss without one."""
+        default = self.method.clip
+        if default is None:
+            return None
+        low = self.clip_eps_low if self.clip_eps_low is not None else default[0]
+        high = self.clip_eps_high if self.clip_eps_high is not None else default[1]
+        return low, high

@@ -1,0 +1,205 @@
+"""One data-parallel rank's part of a training step, on whichever models this process holds.
+
+The calls of a step, in order (``learner/group.py`` makes them):
+
+    score(shard)                 pack the shard once and keep it; the forward passes that must
+                                 precede any update (old and reference log-probs, the critic's values)
+    summarise(beta, *imports)    take what separately placed models scored for this shard; KL_t;
+                                 token rewards; the estimator's per-sequence summary
+    expand(per_sequence)         per-token advantages (and critic targets) from the batch-wide reduction
+    train(whitening, beta, *imports)  every epoch, every minibatch: forward/backward per micro-batch,
+                                 then one optimizer step of each model this rank trains
+
+Only per-sequence arrays and a few sums go back to the driver. The models are DeepSpeed
+engines (or anything with the same ``__call__``/``backward``/``step`` surface: the fast tests
+use plain torch), built by ``learner/worker.py``; nothing here knows about Ray or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner.algorithms import get_kl_estimator, masked_moments, value_loss, whiten
+from learner.config import AlgorithmConfig
+from learner.estimators import TokenRewards
+from learner.objective import aggregation_weights, build_objective
+from learner.packing import PackedInputs, packed_at_completion, packed_completion_logprobs
+from learner.rank_batch import RankBatch
+from learner.returns import token_rewards
+from learner.shard import RankAdvantages, RankShard, RankSummary
+
+Exports = dict[str, np.ndarray]  # per-token values in the shard's flat order, for another process of the shard
+
+
+@dataclass
+class Models:
+    """What one process holds: ``policy`` and ``critic`` train, ``reference`` is frozen."""
+
+    policy: Any = None  # engine over a causal LM
+    critic: Any = None  # engine over learner.critic.ValueModel
+    reference: Any = None  # a plain module in eval mode
+
+
+@dataclass
+class Layout:
+    """How this rank packs: the pad token, where tensors go, the attention mask form."""
+
+    pad_id: int
+    device: torch.device
+    mask_dtype: torch.dtype | None  # bool for sdpa, the activation dtype for eager
+    row_tokens: int | None  # learner.pack_row_tokens
+
+
+class RankStep:
+    def __init__(self, models: Models, algorithm: AlgorithmConfig, layout: Layout, max_tokens: int, world_size: int):
+        self.models, self.algorithm, self.layout = models, algorithm, layout
+        self.max_tokens, self.world_size = max_tokens, world_size
+        self.objective = build_objective(algorithm, max_tokens) if models.policy is not None else None
+        self.estimator = algorithm.method.estimator(algorithm)
+        self.kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.enabled else None
+        # the old policy is scored up front when it differs from the current one at some update, or a KL needs it
+        self.needs_old = models.policy is not None and (algorithm.kl.enabled or algorithm.updates_per_batch > 1)
+        self.batch: RankBatch | None = None
+        self.tokens: TokenRewards | None = None
+
+    # --- the forward passes -----------------------------------------------------------------
+    def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False):
+        logits = model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
+        return packed_completion_logprobs(logits, micro, mask, with_entropy=with_entropy)
+
+    def _values(self, micro: PackedInputs, mask: torch.Tensor) -> torch.Tensor:
+        return packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float() * mask  # [n, T]
+
+    def _scorers(self) -> dict:
+        """Table column -> how to compute it for a micro-batch, for what must be scored before updating."""
+        m, out = self.models, {}
+        if self.needs_old:
+            out["old_logprobs"] = lambda micro, mask: self._logprobs(m.policy, micro, mask)
+        if m.reference is not None:
+            out["ref_logprobs"] = lambda micro, mask: self._logprobs(m.reference, micro, mask)
+        if m.critic is not None:
+            out["old_values"] = self._values
+        return out
+
+    def _trainable(self) -> list:
+        return [model for model in (self.models.policy, self.models.critic) if model is not None]
+
+    # --- the step ---------------------------------------------------------------------------
+    def score(self, shard: RankShard) -> Exports:
+        """Pack the shard and score it. A process without the policy (a separate critic or
+        reference) returns what it scored, for the policy rank of the same shard."""
+        lay = self.layout
+        batch = RankBatch(shard, lay.pad_id, lay.device, lay.mask_dtype, lay.row_tokens)
+        scorers = self._scorers()
+        if scorers:
+            for model in self._trainable():
+                model.eval()
+            with torch.no_grad():
+                for micro in batch.micro_batches():
+                    mask = batch.view(micro).completion_mask
+                    for name, scorer in scorers.items():
+                        batch.write(name, micro, scorer(micro, mask))
+        exports = {} if self.models.policy is not None else {name: batch.export_flat(name) for name in scorers}
+        self.batch = batch if self._trainable() else None  # a reference-only process keeps nothing
+        return exports
+
+    def _import(self, imports: tuple[Exports, ...]) -> None:
+        for exports in imports:
+            for name, flat in exports.items():
+                self.batch.import_flat(name, flat)
+
+    def summarise(self, kl_beta: float, *imports: Exports) -> RankSummary:
+        """Token rewards and the estimator's per-sequence summary; ``imports`` are the separate
+        critic's and reference's ``score`` results for this shard."""
+        self._import(imports)
+        batch, kl_cfg = self.batch, self.algorithm.kl
+        mask = batch.column("completion_mask")
+        kl = self.kl(batch.column("old_logprobs"), batch.column("ref_logprobs"), mask) if self.kl else None  # [n, T]
+        rewards = token_rewards(
+            batch.rewards, kl if kl_cfg.in_reward else None, mask, kl_beta if kl_cfg.in_reward else 0.0
+        )
+        step_rewards, step_end = batch.step_rewards() if self.algorithm.method.per_step_rewards else (None, None)
+        self.tokens = TokenRewards(rewards, mask, batch.column("old_values"), step_rewards, step_end)
+        per_sequence = {name: v.numpy() for name, v in self.estimator.summarise(self.tokens).items()}
+        kl_sum = float((kl * mask).sum()) if kl is not None else 0.0
+        return RankSummary(per_sequence, kl_sum, float(mask.sum()))
+
+    def expand(self, per_sequence: dict[str, np.ndarray]) -> tuple[RankAdvantages, Exports]:
+        """Advantages (and critic targets) of this rank's tokens; returns their moments for whitening,
+        and the critic targets when the critic trains in another process."""
+        tokens = self.tokens
+        advantages, returns = self.estimator.expand(tokens, {k: torch.from_numpy(v) for k, v in per_sequence.items()})
+        self.batch.set("advantages", advantages)
+        exports = {}
+        if returns is not None:
+            self.batch.set("returns", returns)
+            if self.models.critic is None:
+                exports["returns"] = self.batch.export_flat("returns")
+        abs_sum = float((advantages.abs() * tokens.mask).sum())
+        return RankAdvantages(masked_moments(advantages, tokens.mask).numpy(), abs_sum), exports
+
+    def train(self, whitening: np.ndarray | None, kl_beta: float, *imports: Exports) -> dict[str, float]:
+        """Every epoch, every minibatch: forward/backward its micro-batches, one optimizer step
+        (of the policy and/or the critic). ``whitening``: the whole batch's advantage moments.
+        Returns token-weighted mean metrics; ``loss`` is this rank's share of the global policy
+        loss (summed over minibatches and epochs)."""
+        import time
+
+        start = time.monotonic()
+        self._import(imports)
+        batch, policy = self.batch, self.models.policy
+        if whitening is not None and policy is not None:
+            mask = batch.column("completion_mask")
+            batch.set("advantages", whiten(batch.column("advantages"), mask, moments=torch.from_numpy(whitening)))
+        totals: dict[str, float] = {"loss": 0.0}
+        tokens = 0
+        for model in self._trainable():
+            model.train()
+        for _ in range(batch.epochs):
+            for normaliser, micro_batches in zip(batch.normalisers, batch.minibatches, strict=True):
+                for micro in micro_batches:
+                    view = batch.view(micro)
+                    n = float(view.completion_mask.sum())
+                    tokens += int(n)
+                    metrics = {}
+                    if policy is not None:
+                        logprobs, entropy = self._logprobs(policy, micro, view.completion_mask, with_entropy=True)
+                        loss, metrics = self.objective(logprobs, view, normaliser, kl_beta)
+                        # DeepSpeed averages gradients over ranks; the loss is already a share of the
+                        # global sum, so scale by world size to make the reduced gradient the global one.
+                        policy.backward(loss * self.world_size, scale_wrt_gas=False)
+                        metrics["entropy"] = entropy.sum() / max(n, 1.0)
+                        totals["loss"] += float(loss.detach())
+                    if self.models.critic is not None:
+                        metrics.update(self._critic_backward(micro, view, normaliser))
+                    for key, value in metrics.items():  # token-weighted, summed across micro-batches
+                        totals[key] = totals.get(key, 0.0) + float(value) * n
+                for model in self._trainable():
+                    model.step()
+        out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
+        out["tokens"] = tokens / batch.epochs
+        out["seconds"] = time.monotonic() - start
+        grad_norm = policy.get_global_grad_norm() if policy is not None else None
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        self.batch = self.tokens = None  # the step is over
+        return out
+
+    def _critic_backward(self, micro: PackedInputs, view, normaliser) -> dict[str, float]:
+        values = packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float()  # [n, T]
+        weights = aggregation_weights(view, normaliser, self.algorithm.aggregation, self.max_tokens)
+        clip = self.algorithm.critic.value_clip
+        loss, metrics = value_loss(
+            values,
+            view.returns,
+            view.completion_mask,
+            weights,
+            old_values=view.old_values if clip else None,
+            clip=clip,
+        )
+        self.models.critic.backward(loss * self.world_size, scale_wrt_gas=False)
+        return {"value_loss_share": float(loss.detach()), **{f"critic_{k}": v for k, v in metrics.items()}}

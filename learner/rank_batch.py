@@ -1,0 +1,124 @@
+"""A rank's batch between scoring and training: packed micro-batches and one completion table.
+
+Built once per step from the rank's ``RankShard`` and kept until the step ends, so nothing is
+packed twice and nothing per-token goes back to the driver. Every per-token quantity lives in
+one ``[n, T]`` table over the rank's sequences (T = its longest completion), in host memory:
+the mask and sampler log-probs the actors sent, then what scoring adds (old and reference
+log-probs, the critic's values), then advantages and critic targets. Micro-batch k covers the
+table's rows ``rows_k`` and first ``T_k`` columns; ``view`` hands those to the loss on the
+rank's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from learner.packing import PackedInputs, pack_range
+from learner.shard import RankShard
+
+
+@dataclass
+class CompletionView:
+    """The completion-side tensors of one micro-batch, ``[n, T]`` (zero on padding)."""
+
+    completion_mask: Tensor  # float, 1 on trained tokens
+    sampler_logprobs: Tensor  # log pi_sampler (the actor's engine)
+    advantages: Tensor | None = None
+    old_logprobs: Tensor | None = None  # log pi_old: the learner before this batch's first update
+    ref_logprobs: Tensor | None = None  # log pi_ref: the frozen reference
+    old_values: Tensor | None = None  # V_old: the critic before this batch's first update
+    returns: Tensor | None = None  # critic targets V_old + A
+
+
+FIELDS = tuple(f.name for f in fields(CompletionView))
+
+
+class RankBatch:
+    def __init__(
+        self,
+        shard: RankShard,
+        pad_id: int,
+        device: torch.device | str = "cpu",
+        mask_dtype: torch.dtype | None = torch.float32,
+        row_tokens: int | None = 0,
+    ):
+        self.tokens, self.device = shard.tokens, torch.device(device)
+        lengths = torch.from_numpy(self.tokens.completion_lengths)  # [n]
+        self.n = self.tokens.n
+        width = max(int(lengths.max()) if self.n else 1, 1)
+        self.valid = torch.arange(width)[None] < lengths[:, None]  # [n, T]; row-major order = flat order
+        self.rewards = torch.from_numpy(self.tokens.rewards)  # [n] shaped sequence rewards
+        self.table: dict[str, Tensor] = {
+            "completion_mask": self.spread(self.tokens.completion_mask.astype(np.float32)),
+            "sampler_logprobs": self.spread(self.tokens.sampler_logprobs),
+        }
+        self.normalisers, self.epochs = shard.normalisers, shard.epochs
+        self.minibatches: list[list[PackedInputs]] = []
+        start = 0
+        for sizes in shard.micro_sizes:
+            micro = []
+            for size in sizes:
+                micro.append(pack_range(self.tokens, start, start + size, pad_id, self.device, mask_dtype, row_tokens))
+                start += size
+            self.minibatches.append(micro)
+        if start != self.n:
+            raise ValueError(f"rank shard lays out {start} sequences but carries {self.n}")
+
+    def micro_batches(self) -> list[PackedInputs]:
+        return [micro for mb in self.minibatches for micro in mb]
+
+    # --- the table --------------------------------------------------------------------------
+    def spread(self, flat: np.ndarray | Tensor) -> Tensor:
+        """Flat per-completion-token values (the shard's order) -> ``[n, T]``, zero on padding."""
+        flat = torch.as_tensor(flat)
+        out = torch.zeros(self.valid.shape, dtype=flat.dtype if flat.is_floating_point() else torch.float32)
+        out[self.valid] = flat.to(out.dtype)
+        return out
+
+    def column(self, name: str) -> Tensor | None:
+        """The ``[n, T]`` table of ``name`` (None if this step has none)."""
+        return self.table.get(name)
+
+    def set(self, name: str, values: Tensor) -> None:
+        self.table[name] = values.detach().to("cpu", torch.float32) * self.table["completion_mask"]
+
+    def write(self, name: str, micro: PackedInputs, values: Tensor) -> None:
+        """Store one micro-batch's ``[n_k, T_k]`` values of ``name`` (the dummy's are dropped)."""
+        if micro.is_dummy:
+            return
+        column = self.table.setdefault(name, torch.zeros(self.valid.shape))
+        column[micro.rows, : micro.width] = values.detach().to("cpu", torch.float32)
+
+    def export_flat(self, name: str) -> np.ndarray:
+        """``name`` as flat float32 values in the shard's order: what another process of the same
+        shard (a separate critic or reference) imports."""
+        return self.table[name][self.valid].numpy()
+
+    def import_flat(self, name: str, flat: np.ndarray) -> None:
+        self.table[name] = self.spread(flat.astype(np.float32))
+
+    def view(self, micro: PackedInputs) -> CompletionView:
+        """Micro-batch ``micro``'s slice of every table column, on the rank's device (the dummy
+        gets zeros ``[1, 1]``: weight 0)."""
+        out = {}
+        for name in FIELDS:
+            column = self.table.get(name)
+            if column is None:
+                continue
+            part = torch.zeros((1, 1)) if micro.is_dummy else column[micro.rows, : micro.width]
+            out[name] = part.to(self.device)
+        return CompletionView(**out)
+
+    def step_rewards(self) -> tuple[Tensor, Tensor]:
+        """Process supervision: ``[n, T]`` each step's reward at its step-end token, and 1 there."""
+        t = self.tokens
+        rewards, ends = torch.zeros(self.valid.shape), torch.zeros(self.valid.shape)
+        seq = np.repeat(np.arange(self.n), np.diff(t.step_offsets))  # the sequence of every step
+        index = (torch.from_numpy(seq), torch.from_numpy(t.step_ends.astype(np.int64)))
+        rewards[index] = torch.from_numpy(t.step_rewards)  # as before: a later step ending at the same token wins
+        ends[index] = 1.0
+        return rewards, ends
