@@ -1,0 +1,178 @@
+"""The generation actors' loops with fake vLLM engines and in-process queues and weight channel:
+prompts in, scored groups out, weights loaded at the right time, the loop ended by closing the
+queues, a failing generation surfaced. The wiring, without the real stack, in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actors.async_generation import AsyncGenerationActor
+from actors.generation import GenerationActor
+from actors.spec import ActorTimeouts
+from cluster.weights import LocalWeightChannel
+from queues.bounded import LocalQueue
+from queues.messages import PromptRequest
+from tests.runs import actor_spec
+
+TIMEOUTS = ActorTimeouts(data_s=5.0, weights_s=5.0, idle_s=5.0)
+DIGIT = 17  # the fake engines always sample this token, which decodes to "5"
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join("5" if i == DIGIT else "?" for i in ids)
+
+
+def _config(tp: int = 1):
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+
+def _completion(tokens: list[int], finish: str | None):
+    return SimpleNamespace(
+        token_ids=tokens,
+        logprobs=[{t: SimpleNamespace(logprob=-0.25)} for t in tokens],
+        finish_reason=finish,
+        text=FakeTokenizer().decode(tokens),
+    )
+
+
+class FakeLLM:
+    """``vllm.LLM`` as the sync actor uses it: every completion is the one token that decodes to "5"."""
+
+    def __init__(self):
+        self.llm_engine = SimpleNamespace(vllm_config=_config())
+        self.loaded: list[float] = []  # the value of the first weight tensor of every load
+        self.cache_resets = 0
+
+    def get_tokenizer(self):
+        return FakeTokenizer()
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [
+            SimpleNamespace(prompt_token_ids=[3, 4], outputs=[_completion([DIGIT], "stop") for _ in range(p.n)])
+            for p in params
+        ]
+
+    def collective_rpc(self, method: str, args: tuple):
+        self.loaded.append(float(args[0][0][1][0]))
+
+    def reset_prefix_cache(self):
+        self.cache_resets += 1
+
+
+def weights(value: float) -> list:
+    return [("w", torch.full((2,), value))]
+
+
+def test_sync_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close():
+    engine = FakeLLM()
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=3), engine)
+    prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
+    out = {}
+    loop = threading.Thread(target=lambda: out.update(actor.run(prompts, results, channel, TIMEOUTS)))
+    loop.start()
+    row = {"prompt": "copy 5:", "answer": "5"}
+    prompts.put_many([PromptRequest(0, row, min_version=0)], timeout=1)
+    (first,) = results.get_batch(1, timeout=5)
+    channel.publish(1, weights(1.0))
+    prompts.put_many([PromptRequest(1, row, min_version=1)], timeout=1)
+    (second,) = results.get_batch(1, timeout=5)
+    prompts.close_now()
+    results.close_now()
+    loop.join(5)
+    assert not loop.is_alive()  # closing the queues ended the loop at once
+    assert out == {"name": "actor-0", "groups": 2, "weight_loads": 1}
+    assert len(first.trajectories) == 3 and all(t.reward == 1.0 for t in first.trajectories)  # echo "5" -> "5"
+    assert [t.policy_versions.tolist() for t in first.trajectories] == [[0]] * 3
+    assert [t.policy_versions.tolist() for t in second.trajectories] == [[1]] * 3  # loaded before generating
+    assert engine.loaded == [1.0] and engine.cache_resets == 1  # once, with the published tensor
+    assert second.weight_wait_s > 0 and first.weight_wait_s >= 0  # the wait rides on the group it delayed
+
+
+class FakeAsyncLLM:
+    """``AsyncLLM`` as the in-flight actor uses it: each request streams 6 tokens; after the third
+    it waits until new weights are loaded, so a swap lands exactly mid-generation."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.vllm_config = _config()
+        self.halfway = asyncio.Event()  # a request has streamed its first half
+        self.swapped = asyncio.Event()  # weights were loaded
+        self.paused = 0
+
+    async def generate(self, prompt, params, request_id):
+        if prompt == "boom":
+            raise RuntimeError("engine failed on this prompt")
+        for t in range(6):
+            if t == 3:
+                self.halfway.set()
+                await self.swapped.wait()
+            last = t == 5
+            yield SimpleNamespace(
+                prompt_token_ids=[3, 4], outputs=[_completion([DIGIT], "length" if last else None)], finished=last
+            )
+
+    async def pause_generation(self, mode: str, clear_cache: bool):
+        self.paused += 1
+
+    async def resume_generation(self):
+        pass
+
+    async def collective_rpc(self, method: str, args: tuple):
+        assert method == "load_weights_blob" and isinstance(args[0], bytes)
+        self.swapped.set()
+
+    async def reset_prefix_cache(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+async def _inflight_run(prompts_to_send: list[str]):
+    engine = FakeAsyncLLM()
+    spec = actor_spec("fake", None, "builtin:echo", group_size=2, weight_update="inflight")
+    actor = AsyncGenerationActor(spec, engine)
+    await actor.ready()
+    prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
+    run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
+    for i, text in enumerate(prompts_to_send):
+        await prompts.put_many_async([PromptRequest(i, {"prompt": text, "answer": "5"}, 0)], timeout=1)
+    return engine, actor, prompts, results, channel, run
+
+
+def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token():
+    async def go():
+        engine, actor, prompts, results, channel, run = await _inflight_run(["copy 5:"])
+        await asyncio.wait_for(engine.halfway.wait(), 5)
+        channel.publish(1, weights(1.0))  # the watcher sees it and swaps while the request waits
+        (group,) = await results.get_batch_async(1, timeout=5)
+        channel.close()
+        await prompts.close()
+        await results.close()
+        stats = await asyncio.wait_for(run, 5)
+        return engine, group, stats
+
+    engine, group, stats = asyncio.run(go())
+    assert engine.paused == 1 and stats["weight_loads"] == 1 and stats["groups"] == 1
+    for traj in group.trajectories:
+        assert traj.policy_versions.tolist() == [0, 0, 0, 1, 1, 1]  # tokens after the swap carry version 1
+        assert traj.finish_reason == "length"
+
+
+def test_inflight_actor_raises_a_failed_generation():
+    async def go():
+        _, _, prompts, _, channel, run = await _inflight_run(["boom"])
+        try:
+            await asyncio.wait_for(run, 5)
+        finally:  # wake the in-process queue's and channel's waiting threads, so the test ends now
+            prompts.close_now()
+            channel.close()
+
+    with pytest.raises(RuntimeError, match="engine failed on this prompt"):
+        asyncio.run(go())

@@ -1,0 +1,57 @@
+"""The architecture's import rules (``[tool.importlinter]`` in pyproject.toml) hold, and they bite:
+a deliberately added forbidden import in a copy of the tree is reported as a broken contract."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("actors", "learner", "queues", "cluster", "launch")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the packages under ``root`` are the ones analysed
+    return subprocess.run(
+        [exe, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_import_rules_hold():
+    out = lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "5 kept, 0 broken" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden", "contract"),
+    [
+        ("actors/spec.py", "import learner.config", "actors and learner never import each other"),
+        ("learner/shard.py", "import actors.config", "actors and learner never import each other"),
+        ("queues/messages.py", "import cluster.channel", "queues imports no other part of Tandem"),
+        ("cluster/placement.py", "import launch.plan", "nothing imports launch"),
+        ("cluster/logs.py", "import actors.spec", "cluster knows no roles"),
+        ("learner/algorithms/kl.py", "import ray", "the math and the config sections import neither"),
+    ],
+)
+def test_a_forbidden_import_breaks_its_contract(tmp_path, module, forbidden, contract):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{forbidden}  # noqa: E402, F401\n")
+    out = lint_imports(tmp_path)
+    assert out.returncode != 0, out.stdout[-3000:]
+    broken = [line for line in out.stdout.splitlines() if line.endswith("BROKEN")]
+    assert [line for line in broken if line.startswith(contract)], out.stdout[-3000:]
