@@ -22,7 +22,7 @@ from actors.policy_clock import PolicyClock
 from actors.rewards import load_reward_function
 from actors.scoring import GroupBuilder, Sample
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, ready_report, sampling_params
-from cluster.channel import ChannelClosed, WeightReceiver, WeightsTimeout
+from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
 from cluster.logs import redirect_output
 from queues.bounded import QueueClosed
 from queues.messages import PromptRequest, TrajectoryGroup
@@ -92,17 +92,23 @@ class AsyncGenerationActor:
             return
         start = time.monotonic()
         version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)  # off the event loop
+        self.policy.waited(time.monotonic() - start)  # the wait; load_weights counts the load itself
         await self.load_weights(named, version, mode)
-        self.policy.waited(time.monotonic() - start)
 
     async def _follow_weights(self, channel: WeightReceiver, timeout: float) -> None:
-        """Load every newer version as soon as it is published, until the channel closes."""
+        """Load every newer version as soon as it is published, until the channel closes; a broken
+        channel (``ChannelFailed``) ends the watcher with its error."""
         while True:
+            start = time.monotonic()
             try:
                 version, named = await asyncio.to_thread(channel.fetch, self.policy.version + 1, timeout)
             except ChannelClosed:
                 return
+            except ChannelFailed:
+                raise
             except WeightsTimeout:
+                if time.monotonic() - start < timeout / 2:
+                    raise  # not a quiet window but a channel that answers at once: never spin on it
                 continue  # nothing newer within the window: the learner is still training
             await self.load_weights(named, version)
 
@@ -163,6 +169,7 @@ class AsyncGenerationActor:
                 pass  # the run ended while this group was generating
 
         def finished(task: asyncio.Task) -> None:
+            """Done-callback of every generation and of the weight watcher: an error stops the loop."""
             inflight.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 failures.append(task.exception())
@@ -170,6 +177,7 @@ class AsyncGenerationActor:
             freed.set()
 
         watcher = asyncio.create_task(self._follow_weights(channel, timeouts.weights_s))
+        watcher.add_done_callback(finished)  # it ends quietly when the channel closes
         failed = asyncio.create_task(broke.wait())
         try:
             while True:
@@ -179,10 +187,7 @@ class AsyncGenerationActor:
                 if failures:
                     raise failures[0]
                 intake = asyncio.create_task(prompt_queue.get_batch_async(cap - len(inflight), timeouts.idle_s))
-                watching = set() if watcher.done() else {watcher}  # it ends quietly when the channel closes
-                await asyncio.wait({intake, failed, *watching}, return_when=asyncio.FIRST_COMPLETED)
-                if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
-                    failures.append(watcher.exception())
+                await asyncio.wait({intake, failed}, return_when=asyncio.FIRST_COMPLETED)
                 if failures:
                     intake.cancel()
                     raise failures[0]
@@ -196,8 +201,10 @@ class AsyncGenerationActor:
                     inflight.add(task)
                     task.add_done_callback(finished)
         finally:
-            for task in [watcher, failed, *inflight]:
+            pending = [watcher, failed, *inflight]
+            for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)  # their requests end before the engine does
             self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
         return {"name": self.spec.name, "groups": done_groups, "weight_loads": self.policy.loads}
 

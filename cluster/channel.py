@@ -14,8 +14,9 @@ One small interface, a transport behind each backend, one factory:
 - in-process (``cluster.weights.LocalWeightChannel``): both sides in one process, for tests.
 
 Every wait has a deadline: ``fetch`` returns the newest weights once their version reaches
-``min_version``, raises ``WeightsTimeout`` when the deadline passes first, and ``ChannelClosed``
-(a ``WeightsTimeout``) when the publisher closed the channel first.
+``min_version``, raises ``WeightsTimeout`` when the deadline passes first, ``ChannelClosed``
+when the publisher closed the channel first, and ``ChannelFailed`` at once when the channel
+has broken (both are ``WeightsTimeout``s, so a caller that only waits need not tell them apart).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class WeightsTimeout(TimeoutError):
 
 class ChannelClosed(WeightsTimeout):
     """The publisher closed the channel before the required version arrived."""
+
+
+class ChannelFailed(WeightsTimeout):
+    """The channel broke (a failed push, a lost publisher): no version will arrive; the message says why."""
 
 
 class WeightReceiver(Protocol):

@@ -148,6 +148,8 @@ class DistPublisher:
                 f"within {self.connect_timeout_s:g}s; did those generation actors start? check their logs"
             )
             return
+        if self._stop.is_set():
+            return  # closed while receivers were joining
         try:
             remaining = max(1.0, self._connect_deadline - time.monotonic())
             self._group = build_group(self.backend, self._store, 0, self.world_size, remaining, self.host)
@@ -259,9 +261,11 @@ class DistPublisher:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        if self._group is None or self._error:
-            return
-        self._seq += 1
-        self._announce(self._seq, PushHeader(self._version, [], [], closed=True))
-        wait_keys(self._store, [f"bye/{r}" for r in range(1, self.world_size)], timeout)
+        self._stop.set()  # a group still forming is not built now
+        try:  # also after a failed push or before the group formed: receivers waiting for a push wake
+            self._seq += 1
+            self._announce(self._seq, PushHeader(self._version, [], [], closed=True))
+        except Exception:
+            return  # the store itself is gone: receivers find out from their own connections
+        if self._group is not None and not self._error:
+            wait_keys(self._store, [f"bye/{r}" for r in range(1, self.world_size)], timeout)

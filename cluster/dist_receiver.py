@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.buckets import PushHeader, unpack
-from cluster.channel import ChannelClosed, NamedTensors, WeightsTimeout
+from cluster.channel import ChannelClosed, ChannelFailed, NamedTensors, WeightsTimeout
 from cluster.dist_channel import DistChannelSpec
 from cluster.dist_group import abort, broadcast_all, build_group, device_of, short, wait_keys
 from cluster.weights import NewestReceiver, NewestWeights
@@ -69,10 +69,10 @@ class DistReceiver(NewestReceiver):
         where += f"{self._newest.version} (publisher {self.host}:{self.port})"
         if self._newest.closed and not self._newest.error:
             raise ChannelClosed(f"{where}; the publisher closed the channel")
-        why = self._newest.error or "is the learner alive? (raise run.weights_timeout_s for very slow steps)"
-        if self.heartbeat_error:
-            why += f"; heartbeats stopped: {self.heartbeat_error}"
-        raise WeightsTimeout(f"{where}; {why}")
+        beats = f"; heartbeats stopped: {self.heartbeat_error}" if self.heartbeat_error else ""
+        if self._newest.error:
+            raise ChannelFailed(f"{where}; {self._newest.error}{beats}")
+        raise WeightsTimeout(f"{where}; is the learner alive? (raise run.weights_timeout_s for very slow steps){beats}")
 
     def wait_connected(self, timeout: float) -> bool:
         """True once this receiver is in the group (for tests and start-up checks)."""

@@ -123,7 +123,6 @@ class LearnerGroup:
             critic = merge_rank_metrics(list(results[len(self.workers) :]))
             metrics.update({k: v for k, v in critic.items() if k.startswith(("critic_", "value_"))})
             metrics["critic_seconds"] = critic["learner_seconds"]
-        metrics["advantage_abs_mean"] = sum(s.abs_sum for s in stats) / max(float(moments[0]), 1.0)
         if algo.kl.enabled:
             kl_mean = sum(s.kl_sum for s in summaries) / max(sum(s.tokens for s in summaries), 1.0)
             metrics.update(kl_ref_mean=kl_mean, kl_beta=beta)

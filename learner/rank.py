@@ -95,6 +95,8 @@ class RankStep:
         lay = self.layout
         batch = RankBatch(shard, lay.pad_id, lay.device, lay.mask_dtype, lay.row_tokens)
         scorers = self._scorers()
+        for name in scorers:  # a rank with no sequences still has (empty) columns to report
+            batch.add_column(name)
         if scorers:
             for model in self._trainable():
                 model.eval()
@@ -139,8 +141,7 @@ class RankStep:
             self.batch.set("returns", returns)
             if self.models.critic is None:
                 exports["returns"] = self.batch.export_flat("returns")
-        abs_sum = float((advantages.abs() * tokens.mask).sum())
-        return RankAdvantages(masked_moments(advantages, tokens.mask).numpy(), abs_sum), exports
+        return RankAdvantages(masked_moments(advantages, tokens.mask).numpy()), exports
 
     def train(self, whitening: np.ndarray | None, kl_beta: float, *imports: Exports) -> dict[str, float]:
         """Every epoch, every minibatch: forward/backward its micro-batches, one optimizer step
@@ -152,10 +153,13 @@ class RankStep:
         start = time.monotonic()
         self._import(imports)
         batch, policy = self.batch, self.models.policy
-        if whitening is not None and policy is not None:
-            mask = batch.column("completion_mask")
-            batch.set("advantages", whiten(batch.column("advantages"), mask, moments=torch.from_numpy(whitening)))
         totals: dict[str, float] = {"loss": 0.0}
+        if policy is not None:
+            mask = batch.column("completion_mask")
+            if whitening is not None:
+                batch.set("advantages", whiten(batch.column("advantages"), mask, moments=torch.from_numpy(whitening)))
+            # |A| of the advantages trained on (after whitening); token-weighted over ranks like the rest
+            advantage_abs = float((batch.column("advantages").abs() * mask).sum()) / max(float(mask.sum()), 1.0)
         tokens = 0
         for model in self._trainable():
             model.train()
@@ -182,6 +186,8 @@ class RankStep:
                     model.step()
         out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
         out["tokens"] = tokens / batch.epochs
+        if policy is not None:
+            out["advantage_abs_mean"] = advantage_abs
         out["seconds"] = time.monotonic() - start
         grad_norm = policy.get_global_grad_norm() if policy is not None else None
         if grad_norm is not None:

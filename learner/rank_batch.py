@@ -83,15 +83,18 @@ class RankBatch:
         """The ``[n, T]`` table of ``name`` (None if this step has none)."""
         return self.table.get(name)
 
+    def add_column(self, name: str) -> None:
+        """An all-zero ``name`` column, so it exists even on a rank that holds no sequences."""
+        self.table.setdefault(name, torch.zeros(self.valid.shape))
+
     def set(self, name: str, values: Tensor) -> None:
         self.table[name] = values.detach().to("cpu", torch.float32) * self.table["completion_mask"]
 
     def write(self, name: str, micro: PackedInputs, values: Tensor) -> None:
         """Store one micro-batch's ``[n_k, T_k]`` values of ``name`` (the dummy's are dropped)."""
-        if micro.is_dummy:
-            return
-        column = self.table.setdefault(name, torch.zeros(self.valid.shape))
-        column[micro.rows, : micro.width] = values.detach().to("cpu", torch.float32)
+        self.add_column(name)
+        if not micro.is_dummy:
+            self.table[name][micro.rows, : micro.width] = values.detach().to("cpu", torch.float32)
 
     def export_flat(self, name: str) -> np.ndarray:
         """``name`` as flat float32 values in the shard's order: what another process of the same

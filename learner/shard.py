@@ -105,4 +105,3 @@ class RankAdvantages:
     """What a rank sends back after computing its advantages: sums for batch-wide statistics."""
 
     moments: np.ndarray  # float64 [3]: count, sum and sum of squares of the advantages over trained tokens
-    abs_sum: float  # sum of |A_t| over trained tokens

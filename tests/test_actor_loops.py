@@ -165,6 +165,40 @@ def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token():
         assert traj.finish_reason == "length"
 
 
+class BrokenChannel:
+    """A weight channel whose publisher failed: every fetch fails at once."""
+
+    def latest_version(self) -> int:
+        return 0
+
+    def fetch(self, min_version: int, timeout: float):
+        from cluster.channel import ChannelFailed
+
+        raise ChannelFailed("weight push v1 failed: receiver actor-0 dropped out")
+
+    def is_closed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_inflight_actor_stops_on_a_broken_weight_channel_instead_of_spinning():
+    from cluster.channel import ChannelFailed
+
+    async def go():
+        actor = AsyncGenerationActor(actor_spec("fake", None, "builtin:echo", weight_update="inflight"), FakeAsyncLLM())
+        await actor.ready()
+        prompts, results = LocalQueue("prompt", 8), LocalQueue("results", 8)
+        try:
+            await asyncio.wait_for(actor.run(prompts, results, BrokenChannel(), TIMEOUTS), 5)
+        finally:
+            prompts.close_now()
+
+    with pytest.raises(ChannelFailed, match="dropped out"):
+        asyncio.run(go())
+
+
 def test_inflight_actor_raises_a_failed_generation():
     async def go():
         _, _, prompts, _, channel, run = await _inflight_run(["boom"])

@@ -124,3 +124,17 @@ def test_separate_critic_and_reference_train_like_colocated(tiny_model_dir, over
 def test_every_method_steps_with_fake_ranks(tiny_model_dir, name):
     metrics = step(fake_group(tiny_model_dir, f"algorithm.name={name}", ranks=2), batches(seed=3))
     assert metrics["tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["algorithm.name=ppo"], ["algorithm.kl.placement=loss"], ["algorithm.kl.placement=reward"]],
+    ids=["ppo", "kl-loss", "kl-reward"],
+)
+@pytest.mark.parametrize("separate", [False, True], ids=["colocated", "separate"])
+def test_ranks_without_sequences_still_take_part(tiny_model_dir, overrides, separate):
+    # 2 sequences on 4 ranks: two ranks hold none and run only dummy micro-batches, yet report
+    # (empty) scores, summaries and metrics like the others
+    b = [make_group(0, [1.0, 0.0], completion_len=4)]
+    metrics = step(fake_group(tiny_model_dir, *overrides, "rollout.group_size=2", ranks=4, separate=separate), b)
+    assert metrics["tokens"] == 8 and torch.isfinite(torch.tensor(metrics["loss"]))
