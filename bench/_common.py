@@ -75,3 +75,35 @@ def print_table(names: tuple[str, str], rounds: tuple[list[Round], list[Round]])
     paired = statistics.median((a.tokens / a.wall_s) / (b.tokens / b.wall_s) for a, b in zip(*rounds, strict=True))
     print(f"median of per-round A/B ratios (each A beside the B after it): {paired:.2f}")
     return median_rate(rounds[0]) / median_rate(rounds[1])
+
+
+def synthetic_groups(prompts: int, samples: int, prompt_len: int, lengths, seed: int, sampler_logprob=None) -> list:
+    """Scored groups of random tokens (4..55: the tiny vocab minus special tokens) in the form the
+    results queue delivers them: random rewards, completion lengths drawn by ``lengths(rng)``,
+    sampler log-probs ``sampler_logprob(rng, n)`` (default -4 each)."""
+    import numpy as np
+
+    from queues.messages import Trajectory, TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for p in range(prompts):
+        prompt = rng.integers(4, 56, prompt_len, dtype=np.int32)
+        trajs = []
+        for _ in range(samples):
+            c = int(lengths(rng))
+            logprobs = sampler_logprob(rng, c) if sampler_logprob else np.full(c, -4.0)
+            trajs.append(
+                Trajectory(
+                    prompt_token_ids=prompt,
+                    completion_token_ids=rng.integers(4, 56, c, dtype=np.int32),
+                    completion_mask=np.ones(c, dtype=np.uint8),
+                    sampler_logprobs=np.asarray(logprobs, dtype=np.float32),
+                    policy_versions=np.zeros(c, dtype=np.int32),
+                    reward=float(rng.random()),
+                    finish_reason="length",
+                    completion_text="",
+                )
+            )
+        groups.append(TrajectoryGroup(prompt_id=p, row={"prompt": ""}, trajectories=trajs, actor_name="bench"))
+    return groups

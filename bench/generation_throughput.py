@@ -1,7 +1,7 @@
 """Generation throughput: Tandem's generation actor vs bare vLLM, side by side in one run.
 
 A: a ``GenerationActor`` created as Tandem creates it (``ray.remote(GenerationActor)``
-   with ``generation_actor_options``), timed around ``generate(requests)``: vLLM
+   with the launcher's options and ``ActorSpec``), timed around ``generate(requests)``: vLLM
    sampling with logprobs, building one ``TrajectoryGroup`` per prompt, scoring with
    ``bench/_reward.py:reward`` and shipping the groups back to the driver.
 B: a plain Ray actor with the same options (resources, environment, core pin) holding
@@ -34,7 +34,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 class BareVLLM:
     """vLLM with nothing around it: the baseline the generation actor is measured against."""
 
-    def __init__(self, model_path: str, engine: dict, dtype: str, seed: int):
+    def __init__(self, model_path: str, engine, dtype: str, seed: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
@@ -42,15 +42,15 @@ class BareVLLM:
             model=model_path,
             dtype=dtype,
             seed=seed,
-            max_model_len=engine["max_model_len"],
-            enforce_eager=engine["enforce_eager"],
-            kv_cache_memory_bytes=engine["kv_cache_gib"] << 30,
+            max_model_len=engine.max_model_len,
+            enforce_eager=engine.enforce_eager,
+            kv_cache_memory_bytes=engine.kv_cache_gib << 30,
         )
 
     def ready(self) -> bool:
         return True
 
-    def generate(self, prompts: list[str], seeds: list[int], rollout: dict) -> tuple[int, float]:
+    def generate(self, prompts: list[str], seeds: list[int], rollout) -> tuple[int, float]:
         """Returns (generated tokens, seconds inside llm.generate)."""
         import time
 
@@ -58,10 +58,10 @@ class BareVLLM:
 
         params = [
             SamplingParams(
-                n=rollout["group_size"],
-                max_tokens=rollout["max_tokens"],
-                temperature=rollout["temperature"],
-                top_p=rollout["top_p"],
+                n=rollout.group_size,
+                max_tokens=rollout.max_tokens,
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
                 logprobs=0,
                 seed=seed,
             )
@@ -98,9 +98,11 @@ def main() -> None:
     import ray
 
     from actors.generation import GenerationActor
+    from actors.spec import ActorSpec
     from actors.tiny_model import build_tiny_model
-    from cluster.placement import generation_actor_options
+    from cluster.placement import ray_options
     from launch.config import TandemConfig
+    from launch.plan import actor_environment, build_plan
 
     model_path = str(build_tiny_model(args.model_dir).resolve())
     cfg = TandemConfig.model_validate(
@@ -115,26 +117,23 @@ def main() -> None:
             },
         }
     )
-    engine, rollout = cfg.engine.model_dump(), cfg.rollout.model_dump()
-    options = generation_actor_options(cfg.resources.actors.model_dump(), 0, engine)  # same core for both
+    engine, rollout = cfg.engine, cfg.rollout
+    options = ray_options(build_plan(cfg).actors, actor_environment(cfg, 0))  # same core for both
     seed = cfg.run.seed
 
     start_ray()
     log_dir = tempfile.mkdtemp(prefix="bench-gen-")
-    actor = (
-        ray.remote(GenerationActor)
-        .options(**options)
-        .remote(
-            name="actor-0",
-            model_path=model_path,
-            engine=engine,
-            rollout=rollout,
-            reward_function=cfg.reward.function,
-            dtype=args.dtype,
-            seed=seed,
-            log_path=os.path.join(log_dir, "actor-0.log"),
-        )
+    spec = ActorSpec(
+        name="actor-0",
+        model_path=model_path,
+        engine=engine,
+        rollout=rollout,
+        reward_function=cfg.reward.function,
+        dtype=args.dtype,
+        seed=seed,
+        log_path=os.path.join(log_dir, "actor-0.log"),
     )
+    actor = ray.remote(GenerationActor).options(**options).remote(spec)
     bare = ray.remote(BareVLLM).options(**options).remote(model_path, engine, args.dtype, seed)
     ray.get([actor.ready.remote(), bare.ready.remote()])
 

@@ -1,9 +1,10 @@
 """Learner throughput: Tandem's learner rank vs a bare DeepSpeed step, side by side in one run.
 
-A: one ``LearnerWorker`` (Ray actor with ``learner_rank_options``), set up as Tandem
-   does, timed around ``train_step(shard)`` on a fixed shard of synthetic trajectories
-   (the shard crosses Ray every call, as in a run): padding, forward, the GRPO/PPO-clip
-   objective, backward per micro-batch, one optimizer step, metrics.
+A: one ``LearnerWorker`` (Ray actor with the launcher's options), set up as Tandem does,
+   timed around ``LearnerGroup.train_step(groups)`` on fixed synthetic trajectory groups, as
+   in a run: the driver plans the step and sends the shard; the rank packs it once, computes
+   GRPO advantages (its summary, the driver's group reduction, its expansion), then forward,
+   the PPO-clip objective with TIS, backward per micro-batch, one optimizer step, metrics.
 B: a plain Ray actor with the same options holding a DeepSpeed engine built from the
    same model, the same DeepSpeed config (``learner.worker.deepspeed_config``) and torch
    AdamW, timed around: for each micro-batch (same padded tensors, built once) forward,
@@ -15,18 +16,17 @@ Rounds alternate A B A B; the table gives medians. Read the last line:
 uses each side's own timing of its step; ``outside s`` is Ray transfer plus anything
 done around the step.
 
-    .venv/bin/python bench/learner_throughput.py [--sequences 128 --micro-batch-size 64 --rounds 15]
+    .venv/bin/python bench/learner_throughput.py [--prompts 16 --samples 8 --rounds 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import tempfile
 from pathlib import Path
 
-from _common import interleave, print_table, start_ray, timed
+from _common import interleave, print_table, start_ray, synthetic_groups, timed
 
 
 class BareDeepSpeed:
@@ -42,9 +42,7 @@ class BareDeepSpeed:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(
-        self, port: int, model_path: str, learner: dict, dtype: str, seed: int, micro_batches: list, num_tokens: float
-    ) -> None:
+    def setup(self, port: int, model_path: str, learner, dtype: str, seed: int, micro_batches: list, num_tokens: float):
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1"
         )
@@ -60,7 +58,7 @@ class BareDeepSpeed:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]), weight_decay=learner["weight_decay"]
+            model.parameters(), lr=learner.lr, betas=tuple(learner.betas), weight_decay=learner.weight_decay
         )
         config = deepspeed_config(learner, dtype)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -86,48 +84,32 @@ class BareDeepSpeed:
         return time.perf_counter() - start
 
 
-def make_sequences(n: int, prompt_len: int, min_completion: int, max_completion: int, seed: int):
-    """Synthetic trajectories: random token ids (4..55: the tiny vocab minus special tokens),
-    one random advantage per sequence broadcast over its completion, as GRPO gives."""
-    from learner.batch import TrainSequence
-
-    rng = random.Random(seed)
-    sequences = []
-    for _ in range(n):
-        c = rng.randint(min_completion, max_completion)
-        sequences.append(
-            TrainSequence(
-                prompt_token_ids=[rng.randrange(4, 56) for _ in range(prompt_len)],
-                completion_token_ids=[rng.randrange(4, 56) for _ in range(c)],
-                completion_mask=[1] * c,
-                advantages=[rng.gauss(0.0, 1.0)] * c,
-                sampler_logprobs=[-4.0 * rng.random() for _ in range(c)],
-                policy_versions=[0] * c,
-            )
-        )
-    return sequences
-
-
-def bare_micro_batch(seqs, pad_id: int) -> dict:
-    """Right-padded ``input_ids``/``attention_mask`` [b, L] and per-target-position ``weights``
-    [b, L-1] (advantage where position j+1 is a trained completion token, else 0)."""
+def bare_micro_batch(tokens, start: int, stop: int, advantages, pad_id: int) -> dict:
+    """Sequences ``start..stop-1`` of a ``TokenShard`` right-padded: ``input_ids``/``attention_mask``
+    [b, L] and per-target-position ``weights`` [b, L-1] (the advantage where position j+1 is a
+    trained completion token, else 0)."""
     import torch
 
-    L = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs)
-    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    weights = torch.zeros((len(seqs), L - 1))
-    for i, s in enumerate(seqs):
-        p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
-        input_ids[i, : p + c] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
-        attention_mask[i, : p + c] = 1
-        weights[i, p - 1 : p + c - 1] = torch.tensor(s.advantages) * torch.tensor(s.completion_mask, dtype=torch.float)
+    po, co = tokens.prompt_offsets, tokens.completion_offsets
+    rows = [
+        (tokens.prompt_ids[po[i] : po[i + 1]].tolist(), tokens.completion_ids[co[i] : co[i + 1]].tolist())
+        for i in range(start, stop)
+    ]
+    L = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), L), dtype=torch.long)
+    weights = torch.zeros((len(rows), L - 1))
+    for i, (p, c) in enumerate(rows):
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attention_mask[i, : len(p) + len(c)] = 1
+        weights[i, len(p) - 1 : len(p) + len(c) - 1] = float(advantages[start + i])
     return {"input_ids": input_ids, "attention_mask": attention_mask, "weights": weights}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=128, help="sequences in the step")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8, help="completions per prompt (sequences = prompts x samples)")
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--min-completion", type=int, default=32)
     parser.add_argument("--max-completion", type=int, default=64)
@@ -141,13 +123,17 @@ def main() -> None:
     parser.add_argument("--model-dir", default=str(Path.home() / ".cache" / "tandem" / "models" / "tiny-qwen2"))
     args = parser.parse_args()
 
+    import asyncio
+
     import ray
 
     from actors.tiny_model import build_tiny_model, tiny_vocab
-    from cluster.placement import learner_rank_options
+    from cluster.placement import ray_options
     from launch.config import TandemConfig
-    from learner.group import shard_sequences
-    from learner.worker import LearnerWorker
+    from launch.plan import build_plan, rank_environment
+    from learner.algorithms import grpo_advantages
+    from learner.group import LearnerGroup
+    from learner.worker import LearnerWorker, RankSpec
 
     model_path = str(build_tiny_model(args.model_dir).resolve())
     learner_overrides = {}
@@ -161,26 +147,42 @@ def main() -> None:
             "data": {"prompts": "bench"},
             "reward": {"function": "bench"},
             "learner": learner_overrides,
+            "rollout": {"max_tokens": args.max_completion, "group_size": args.samples},
         }
     )
-    learner, seed = cfg.learner.model_dump(), cfg.run.seed
-    options = learner_rank_options(cfg.resources.learner.model_dump())
+    learner, seed = cfg.learner, cfg.run.seed
+    kind = build_plan(cfg).learner
+    options = ray_options(kind, rank_environment(kind))
 
-    sequences = make_sequences(args.sequences, args.prompt_len, args.min_completion, args.max_completion, seed)
-    shard = shard_sequences(sequences, 1, learner["token_budget"])[0]
-    pad_id = tiny_vocab()["<pad>"]
-    step = shard.minibatches[0]  # one optimizer step
-    bare_batches = [bare_micro_batch(mb, pad_id) for mb in step.micro_batches]  # the same micro-batches
-    step_tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in sequences)
-
+    groups = synthetic_groups(
+        args.prompts,
+        args.samples,
+        args.prompt_len,
+        lambda rng: rng.integers(args.min_completion, args.max_completion + 1),
+        seed,
+        sampler_logprob=lambda rng, n: -4.0 * rng.random(n),
+    )
     start_ray()
     log_dir = tempfile.mkdtemp(prefix="bench-learner-")
     worker = ray.remote(LearnerWorker).options(**options).remote(0, 1, os.path.join(log_dir, "learner-0.log"))
     bare = ray.remote(BareDeepSpeed).options(**options).remote()
     addr, port = ray.get(worker.rendezvous_address.remote())
-    info = ray.get(worker.setup.remote(addr, port, model_path, learner, cfg.algorithm.model_dump(), args.dtype, seed))
+    spec = RankSpec(model_path, learner, cfg.algorithm, args.dtype, seed, cfg.rollout.max_tokens)
+    info = ray.get(worker.setup.remote(addr, port, spec))
+    group = LearnerGroup([worker], cfg.algorithm, learner.token_budget, cfg.rollout.max_tokens)
+
+    # B trains on A's plan: the same micro-batches, with the same GRPO advantages
+    plan = group.plan(groups)
+    tokens, sizes = plan.shards[0].tokens, plan.shards[0].micro_sizes[0]
+    advantages = grpo_advantages(plan.gather([{"r": tokens.rewards}])["r"], args.samples)[plan.order[0]]
+    pad_id, start, bare_batches = tiny_vocab()["<pad>"], 0, []
+    for size in sizes:
+        bare_batches.append(bare_micro_batch(tokens, start, start + size, advantages, pad_id))
+        start += size
+    num_tokens = plan.shards[0].normalisers[0].num_tokens
+    step_tokens = int(tokens.prompt_offsets[-1] + tokens.completion_offsets[-1])
     bare_port = ray.get(bare.free_port.remote())
-    ray.get(bare.setup.remote(bare_port, model_path, learner, args.dtype, seed, bare_batches, step.num_tokens))
+    ray.get(bare.setup.remote(bare_port, model_path, learner, args.dtype, seed, bare_batches, num_tokens))
 
     if args.pin_core is not None:  # same core for both: they meet the same neighbours
         for pid in (info["pid"], ray.get(bare.pid.remote())):
@@ -188,8 +190,8 @@ def main() -> None:
                 os.sched_setaffinity(int(tid), {args.pin_core})
 
     def run_learner() -> tuple[int, float]:
-        metrics = ray.get(worker.train_step.remote(shard))
-        return step_tokens, metrics["seconds"]
+        metrics = asyncio.run(group.train_step(groups))
+        return step_tokens, metrics["learner_seconds"]
 
     def run_bare() -> tuple[int, float]:
         return step_tokens, ray.get(bare.train_step.remote())
@@ -198,10 +200,9 @@ def main() -> None:
     for _ in range(2):
         run_learner(), run_bare()
 
-    n_micro = len(step.micro_batches)
     print(
-        f"{args.rounds} rounds: {args.sequences} sequences ({step_tokens} tokens) in {n_micro} micro-batches of "
-        f"<= {learner['token_budget']} tokens, ZeRO-{learner['zero_stage']}, {args.dtype}"
+        f"{args.rounds} rounds: {args.prompts * args.samples} sequences ({step_tokens} tokens) in {len(sizes)} "
+        f"micro-batches of <= {learner.token_budget} tokens, ZeRO-{learner.zero_stage}, {args.dtype}"
         + (f", both pinned to core {args.pin_core}" if args.pin_core is not None else ""),
         flush=True,
     )

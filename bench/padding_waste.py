@@ -7,11 +7,12 @@ Both sides are measured on the tensors the learner would really build, for the s
 seeded batch, split over the same data-parallel ranks:
 
 * (a) padded batching (what Tandem did before packing: split by COUNT,
-  ``--micro-batch-size`` sequences per micro-batch), each micro-batch laid out by
-  ``learner.batch.pad_sequences``; token slots = ``input_ids.numel()``.
+  ``--micro-batch-size`` sequences per micro-batch), each micro-batch laid out by the
+  padded reference the tests check packing against (``tests/reference_batch.py``);
+  token slots = ``input_ids.numel()``.
   (a') the same micro-batch size after sorting by length: the best padding can do.
 * (b) packed: ``plan_micro_batches`` with ``--token-budget``, each micro-batch laid out
-  by ``pack_sequences``. Two waste figures, honestly separate:
+  by ``pack_range``. Two waste figures, honestly separate:
   - padding inside rows: slots of the packed rows that hold no sequence token. Zero by
     construction, apart from the 2-token dummies that stand in for empty micro-batches
     (ranks must run equally many micro-batches), which are counted as waste here;
@@ -43,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from learner.batch import TrainSequence, pad_sequences  # noqa: E402
-from learner.packing import pack_sequences, plan_micro_batches  # noqa: E402
+from learner.packing import pack_range, plan_micro_batches  # noqa: E402
+from tests.reference_batch import TrainSequence, pad_sequences, token_shard  # noqa: E402
 
 PAD = 0
 
@@ -72,6 +73,11 @@ def long_tail_sequences(n: int, seed: int, max_completion: int, tail: float) -> 
             )
         )
     return seqs
+
+
+def pack_sequences(seqs: list[TrainSequence], pad_id: int, **kwargs):
+    """One packed micro-batch of ``seqs``, as a rank packs it."""
+    return pack_range(token_shard(seqs), 0, len(seqs), pad_id, **kwargs)
 
 
 def padded_figures(micro_batches: list[list[TrainSequence]]) -> tuple[int, int, int, int]:

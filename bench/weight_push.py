@@ -118,7 +118,7 @@ def receiver_process(port: int, timeout_s: float) -> None:
     """The other end: keep receiving until the publisher closes the channel."""
     import torch
 
-    from cluster.dist_channel import DistReceiver
+    from cluster.dist_receiver import DistReceiver
 
     torch.set_num_threads(1)
     rx = DistReceiver(HOST, port, 1, 2, "bench-receiver", timeout_s, connect_timeout_s=120)
