@@ -29,7 +29,7 @@ from learner.algorithms import adaptive_kl_beta
 from learner.config import AlgorithmConfig
 from learner.returns import RewardStats, shape_sequence_rewards
 from learner.step_plan import StepPlan, plan_step
-from queues.messages import TrajectoryGroup
+from queues.messages import Trajectory, TrajectoryGroup
 
 
 def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -51,9 +51,8 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
-def sequence_rewards(groups: list[TrajectoryGroup]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[N]`` task rewards, truncated flags and trained-token counts, in group order."""
-    trajs = [t for g in groups for t in g.trajectories]
+def sequence_rewards(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N]`` task rewards, truncated flags and trained-token counts of ``trajs``."""
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
     lengths = torch.tensor([int(np.sum(t.completion_mask)) for t in trajs], dtype=torch.float)
@@ -84,11 +83,12 @@ class LearnerGroup:
     def plan(self, groups: list[TrajectoryGroup]) -> StepPlan:
         """Step 1: shaped rewards and every rank's shard."""
         algo = self.algorithm
-        rewards, truncated, lengths = sequence_rewards(groups)
-        shaped = shape_sequence_rewards(rewards, truncated, lengths, algo, self.max_tokens, self.reward_stats)
-        trajs = [t for g in groups for t in g.trajectories]
+        trajs = [t for g in groups for t in g.trajectories]  # group order
+        rewards, truncated, trained = sequence_rewards(trajs)
+        shaped = shape_sequence_rewards(rewards, truncated, trained, algo, self.max_tokens, self.reward_stats)
         steps = algo.method.per_step_rewards
-        return plan_step(trajs, shaped, len(self.workers), self.token_budget, algo.minibatches, algo.epochs, steps)
+        ranks = len(self.workers)
+        return plan_step(trajs, shaped, trained, ranks, self.token_budget, algo.minibatches, algo.epochs, steps)
 
     async def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         algo, beta = self.algorithm, self.kl_beta

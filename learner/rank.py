@@ -17,6 +17,7 @@ use plain torch), built by ``learner/worker.py``; nothing here knows about Ray o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,7 @@ class RankStep:
                 model.eval()
             with torch.no_grad():
                 for micro in batch.micro_batches():
-                    mask = batch.view(micro).completion_mask
+                    mask = batch.part("completion_mask", micro)
                     for name, scorer in scorers.items():
                         batch.write(name, micro, scorer(micro, mask))
         exports = {} if self.models.policy is not None else {name: batch.export_flat(name) for name in scorers}
@@ -121,9 +122,7 @@ class RankStep:
         batch, kl_cfg = self.batch, self.algorithm.kl
         mask = batch.column("completion_mask")
         kl = self.kl(batch.column("old_logprobs"), batch.column("ref_logprobs"), mask) if self.kl else None  # [n, T]
-        rewards = token_rewards(
-            batch.rewards, kl if kl_cfg.in_reward else None, mask, kl_beta if kl_cfg.in_reward else 0.0
-        )
+        rewards = token_rewards(batch.rewards, kl if kl_cfg.in_reward else None, mask, kl_beta)
         step_rewards, step_end = batch.step_rewards() if self.algorithm.method.per_step_rewards else (None, None)
         self.tokens = TokenRewards(rewards, mask, batch.column("old_values"), step_rewards, step_end)
         per_sequence = {name: v.numpy() for name, v in self.estimator.summarise(self.tokens).items()}
@@ -148,8 +147,6 @@ class RankStep:
         (of the policy and/or the critic). ``whitening``: the whole batch's advantage moments.
         Returns token-weighted mean metrics; ``loss`` is this rank's share of the global policy
         loss (summed over minibatches and epochs)."""
-        import time
-
         start = time.monotonic()
         self._import(imports)
         batch, policy = self.batch, self.models.policy

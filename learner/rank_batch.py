@@ -104,17 +104,15 @@ class RankBatch:
     def import_flat(self, name: str, flat: np.ndarray) -> None:
         self.table[name] = self.spread(flat.astype(np.float32))
 
+    def part(self, name: str, micro: PackedInputs) -> Tensor:
+        """Micro-batch ``micro``'s slice of column ``name``, on the rank's device (the dummy gets
+        zeros ``[1, 1]``: weight 0)."""
+        part = torch.zeros((1, 1)) if micro.is_dummy else self.table[name][micro.rows, : micro.width]
+        return part.to(self.device)
+
     def view(self, micro: PackedInputs) -> CompletionView:
-        """Micro-batch ``micro``'s slice of every table column, on the rank's device (the dummy
-        gets zeros ``[1, 1]``: weight 0)."""
-        out = {}
-        for name in FIELDS:
-            column = self.table.get(name)
-            if column is None:
-                continue
-            part = torch.zeros((1, 1)) if micro.is_dummy else column[micro.rows, : micro.width]
-            out[name] = part.to(self.device)
-        return CompletionView(**out)
+        """Micro-batch ``micro``'s slice of every column the table has."""
+        return CompletionView(**{name: self.part(name, micro) for name in FIELDS if name in self.table})
 
     def step_rewards(self) -> tuple[Tensor, Tensor]:
         """Process supervision: ``[n, T]`` each step's reward at its step-end token, and 1 there."""

@@ -48,6 +48,7 @@ class StepPlan:
 def plan_step(
     trajectories: list[Trajectory],
     rewards: torch.Tensor,
+    trained: torch.Tensor,
     ranks: int,
     token_budget: int,
     minibatches: int = 1,
@@ -57,9 +58,10 @@ def plan_step(
     """Split the batch into ``minibatches`` optimizer steps (contiguous index ranges), each balanced
     over ``ranks`` by tokens and packed into micro-batches of at most ``token_budget`` tokens, the
     same number on every rank (``learner.packing.plan_micro_batches``); normalisers are global per
-    minibatch. ``rewards`` ``[N]``: shaped sequence rewards; ``steps``: ship process step rewards."""
+    minibatch. ``rewards`` ``[N]``: shaped sequence rewards; ``trained`` ``[N]``: each sequence's
+    trained tokens; ``steps``: ship process step rewards."""
     lengths = [len(t.prompt_token_ids) + len(t.completion_token_ids) for t in trajectories]
-    trained = np.array([int(np.sum(t.completion_mask)) for t in trajectories], dtype=np.int64)
+    trained = trained.detach().cpu().numpy().astype(np.int64)
     plan = plan_micro_batches(lengths, ranks, token_budget, minibatches)  # [rank][minibatch][micro] -> indices
     normalisers = []
     for m in range(minibatches):

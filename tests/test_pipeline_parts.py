@@ -153,7 +153,8 @@ def test_the_step_plan_balances_ranks_with_global_normalisers_and_maps_both_ways
     rng = random.Random(0)
     trajs = [make_trajectory([4, 5, 6], [7] * rng.randint(1, 6), reward=float(i)) for i in range(10)]
     rewards = torch.arange(10.0)
-    plan = plan_step(trajs, rewards, ranks=2, token_budget=12)
+    trained = torch.tensor([float(len(t.completion_token_ids)) for t in trajs])  # every token trained
+    plan = plan_step(trajs, rewards, trained, ranks=2, token_budget=12)
     sizes = [s.micro_sizes[0] for s in plan.shards]
     assert len(sizes[0]) == len(sizes[1])  # collectives must match
     assert sorted(i for order in plan.order for i in order.tolist()) == list(range(10))
@@ -175,7 +176,7 @@ def test_the_step_plan_balances_ranks_with_global_normalisers_and_maps_both_ways
     back = plan.scatter({"x": rewards})
     assert [b["x"].tolist() for b in back] == [s.tokens.rewards.tolist() for s in plan.shards]
     # two minibatches: each optimizer step has its own global normaliser over its 5 sequences
-    two = plan_step(trajs, rewards, ranks=1, token_budget=64, minibatches=2).shards[0]
+    two = plan_step(trajs, rewards, trained, ranks=1, token_budget=64, minibatches=2).shards[0]
     assert [n.num_tokens for n in two.normalisers] == [
         float(sum(len(t.completion_token_ids) for t in trajs[:5])),
         float(sum(len(t.completion_token_ids) for t in trajs[5:])),
