@@ -4,7 +4,8 @@ A reward function is called as ``fn(prompt, completion, row)`` and returns a flo
 for process supervision, a list of floats: one per reasoning step of the completion
 (steps are separated by ``algorithm.step_delimiter``). One that raises, or returns
 something else, gives that sample a reward of 0.0; the error is counted and reported,
-and the run goes on.
+and the run goes on. ``check_reward_function`` loads a user's file in a child process before
+the run starts, so one that exits or hangs while it is imported fails in one line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +56,73 @@ def load_reward_function(spec: str) -> RewardFn:
         found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name]
         raise RewardSpecError(f"{path} has no function {name!r}; functions defined there: {', '.join(found) or 'none'}")
     return fn
+
+
+# What the child process of ``check_reward_function`` runs: load the spec, then say it got there.
+_CHECK_MARK, _CHECK_OK = "tandem-reward-check-error: ", "tandem-reward-check-ok"
+_CHECK_SCRIPT = f"""
+import sys
+from actors.rewards import RewardSpecError, load_reward_function
+try:
+    load_reward_function(sys.argv[1])
+except RewardSpecError as exc:
+    print({_CHECK_MARK!r} + str(exc), file=sys.stderr, flush=True)
+    sys.exit(1)
+print({_CHECK_OK!r}, flush=True)
+"""
+
+
+def check_reward_function(spec: str, timeout_s: float) -> None:
+    """Raise ``RewardSpecError`` (one line) unless ``spec`` loads; a file that exits or hangs while it is
+    imported cannot take the caller with it, because a ``file.py:function`` spec is imported in a child
+    process that is killed after ``timeout_s`` seconds. ``builtin:`` specs are resolved here."""
+    if spec.startswith("builtin:"):
+        load_reward_function(spec)
+        return
+    root = str(Path(__file__).resolve().parents[1])  # the child imports this module from the same checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHECK_SCRIPT, spec],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env=env,
+        start_new_session=True,  # one process group: a timeout kills whatever the file started too
+    )
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(child)
+        raise RewardSpecError(
+            f"reward.function {spec!r} did not finish importing within {timeout_s:g} s (reward.import_timeout_s); "
+            "move slow or blocking work out of the file's top level, or raise reward.import_timeout_s"
+        ) from None
+    lines = [line.strip() for line in err.splitlines() if line.strip()]
+    marked = [line.removeprefix(_CHECK_MARK) for line in lines if line.startswith(_CHECK_MARK)]
+    if marked:
+        raise RewardSpecError(marked[-1])
+    if child.returncode == 0 and _CHECK_OK in out.splitlines():
+        return
+    code = child.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    last = f" ({lines[-1]})" if lines else ""
+    raise RewardSpecError(
+        f"reward.function {spec!r} {how} while being imported{last}; a reward file must not exit at import "
+        "time: put such code under `if __name__ == '__main__':`"
+    )
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        child.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # a grandchild that left the group still holds the pipes
+        child.kill()
 
 
 def score(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]) -> tuple[float, str | None]:

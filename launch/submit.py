@@ -24,8 +24,39 @@ from cluster.placement import explain_sum, required_resources
 from launch.config import TandemConfig, parse_overrides
 from launch.plan import build_plan
 
-# Never shipped to the cluster: the local environment, earlier runs, history, bytecode.
-WORKING_DIR_EXCLUDES = [".venv", "runs", ".git", "__pycache__"]
+# Never shipped to the cluster (gitignore patterns, as Ray's runtime_env ``excludes`` reads them): secrets
+# and keys, the local environment, earlier runs, history, caches and bytecode.
+WORKING_DIR_EXCLUDES = [
+    # secrets: dotenv files, private keys and certificates, credential files
+    ".env",
+    ".env.*",
+    ".envrc",
+    ".netrc",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "*.pfx",
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    "credentials*.json",
+    ".ssh",
+    ".aws",
+    # local state: virtual environments, version control, run directories
+    ".venv",
+    "venv",
+    ".git",
+    "runs",
+    # caches and bytecode
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".mypy_cache",
+    ".import_linter_cache",
+    "*.egg-info",
+]
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 PROBE_TIMEOUT_S = 3.0
 
