@@ -36,6 +36,9 @@ class LearnerConfig(Section):
         description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
         "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
     )
+    collective_timeout_s: float = Field(
+        600, gt=0, description="Deadline of one collective between learner ranks (torch's default is 30 minutes)."
+    )
 
 
 class KLConfig(Section):

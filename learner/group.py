@@ -40,8 +40,8 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     for key in per_rank[0]:
         if key in merged or key == "seconds":
             continue
-        if key == "grad_norm":
-            merged[key] = per_rank[0][key]  # already global
+        if key in ("grad_norm", "nonfinite_updates", "updates"):
+            merged[key] = per_rank[0][key]  # already global: every rank agreed on them
         elif key.endswith("_max"):
             merged[key] = max(m[key] for m in per_rank)
         elif key.endswith("_min"):
@@ -130,6 +130,33 @@ class LearnerGroup:
                 n = plan.num_sequences
                 self.kl_beta = adaptive_kl_beta(beta, kl_mean, algo.kl.target, n, algo.kl.horizon)
         return metrics
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def _trained(self) -> list:
+        return self.workers + self.critics  # references are frozen: nothing to save
+
+    async def save_checkpoint(self, directory: str) -> None:
+        """Every policy and critic rank writes its DeepSpeed state into ``directory``."""
+        await asyncio.gather(*[w.save_checkpoint.remote(directory) for w in self._trained()])
+
+    async def load_checkpoint(self, directory: str) -> None:
+        await asyncio.gather(*[w.load_checkpoint.remote(directory) for w in self._trained()])
+
+    async def save_model(self, directory: str) -> None:
+        """The policy as a Hugging Face model directory (gathered over the ranks under ZeRO-3)."""
+        await asyncio.gather(*[w.save_model.remote(directory) for w in self.workers])
+
+    def state(self) -> dict[str, Any]:
+        """The driver's own learning state: the running reward moments and the KL coefficient."""
+        stats = self.reward_stats
+        return {
+            "kl_beta": self.kl_beta,
+            "reward_stats": {"count": float(stats.count), "mean": float(stats.mean), "var": float(stats.var)},
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.kl_beta = float(state["kl_beta"])
+        self.reward_stats = RewardStats(**{k: torch.tensor(float(v)) for k, v in state["reward_stats"].items()})
 
     # --- the weights ---------------------------------------------------------------------
     async def open_weight_channel(self, weights: Any, names: list[str], connect_timeout_s: float) -> list:

@@ -17,6 +17,7 @@ use plain torch), built by ``learner/worker.py``; nothing here knows about Ray o
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,20 @@ from learner.returns import token_rewards
 from learner.shard import RankAdvantages, RankShard, RankSummary
 
 Exports = dict[str, np.ndarray]  # per-token values in the shard's flat order, for another process of the shard
+
+
+def _parameters(model) -> list:
+    return list(getattr(model, "module", model).parameters())
+
+
+def discard_gradients(model) -> None:
+    """Drop the gradients of an update that is skipped: the parameters' and a ZeRO optimizer's
+    partitioned copies (a DeepSpeed engine), or a plain optimiser's."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        optimizer.zero_grad()
+    for p in _parameters(model):
+        p.grad = None
 
 
 @dataclass
@@ -157,11 +172,12 @@ class RankStep:
                 batch.set("advantages", whiten(batch.column("advantages"), mask, moments=torch.from_numpy(whitening)))
             # |A| of the advantages trained on (after whitening); token-weighted over ranks like the rest
             advantage_abs = float((batch.column("advantages").abs() * mask).sum()) / max(float(mask.sum()), 1.0)
-        tokens = 0
+        tokens, skipped, updates = 0, 0, 0
         for model in self._trainable():
             model.train()
         for _ in range(batch.epochs):
             for normaliser, micro_batches in zip(batch.normalisers, batch.minibatches, strict=True):
+                finite = True
                 for micro in micro_batches:
                     view = batch.view(micro)
                     n = float(view.completion_mask.sum())
@@ -175,22 +191,44 @@ class RankStep:
                         policy.backward(loss * self.world_size, scale_wrt_gas=False)
                         metrics["entropy"] = entropy.sum() / max(n, 1.0)
                         totals["loss"] += float(loss.detach())
+                        finite = finite and bool(torch.isfinite(loss.detach()))
                     if self.models.critic is not None:
                         metrics.update(self._critic_backward(micro, view, normaliser))
+                        finite = finite and math.isfinite(metrics["value_loss_share"])
                     for key, value in metrics.items():  # token-weighted, summed across micro-batches
                         totals[key] = totals.get(key, 0.0) + float(value) * n
-                for model in self._trainable():
-                    model.step()
+                updates += 1
+                if self._all_finite(finite):
+                    for model in self._trainable():
+                        model.step()
+                else:  # a non-finite loss or gradient on any rank: no rank applies this update
+                    skipped += 1
+                    for model in self._trainable():
+                        discard_gradients(model)
         out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
         out["tokens"] = tokens / batch.epochs
+        out["nonfinite_updates"] = float(skipped)
+        out["updates"] = float(updates)
         if policy is not None:
             out["advantage_abs_mean"] = advantage_abs
         out["seconds"] = time.monotonic() - start
-        grad_norm = policy.get_global_grad_norm() if policy is not None else None
+        grad_norm = policy.get_global_grad_norm() if policy is not None and skipped < updates else None
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         self.batch = self.tokens = None  # the step is over
         return out
+
+    def _all_finite(self, finite: bool) -> bool:
+        """This rank's losses were finite and so are its local gradients; agreed over the ranks
+        (every rank calls it at every update, so the collective lines up)."""
+        if finite:
+            grads = [p.grad for model in self._trainable() for p in _parameters(model) if p.grad is not None]
+            finite = not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([0.0 if finite else 1.0])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            finite = flag.item() == 0.0
+        return finite
 
     def _critic_backward(self, micro: PackedInputs, view, normaliser) -> dict[str, float]:
         values = packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float()  # [n, T]

@@ -17,11 +17,13 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from cluster.channel import WeightPublisher, WeightReceiver, open_weight_publisher
 from cluster.config import WeightsConfig
 from cluster.logs import redirect_output
+from learner import saving
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
 from learner.rank import Layout, Models, RankStep
@@ -93,7 +95,7 @@ class LearnerWorker:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         roles = tuple(spec.roles)
         if "policy" in roles or "critic" in roles:
-            self._init_distributed(master_addr, master_port, cuda)
+            self._init_distributed(master_addr, master_port, cuda, spec.learner.collective_timeout_s)
         models = Models()
         if "policy" in roles:
             model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
@@ -108,7 +110,8 @@ class LearnerWorker:
             models.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(device).eval()
             models.reference.requires_grad_(False)
         self.zero_stage = spec.learner.zero_stage
-        self.policy = models.policy
+        self.policy, self.critic = models.policy, models.critic
+        self.model_path = spec.model_path
         # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
         attention = _attention_of(next(m for m in (models.policy, models.critic, models.reference) if m is not None))
         float_mask = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
@@ -128,7 +131,7 @@ class LearnerWorker:
 
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
-    def _init_distributed(self, master_addr: str, master_port: int, cuda: bool) -> None:
+    def _init_distributed(self, master_addr: str, master_port: int, cuda: bool, timeout_s: float) -> None:
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -144,7 +147,8 @@ class LearnerWorker:
             # and with it loaded ZeRO-3 runs sometimes aborted at exit; gloo alone is enough here.
             # (importlib: the package attribute deepspeed.comm.torch is PyTorch itself, not the submodule)
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        # every collective of the group (ZeRO's, the export's, the checkpoint's) gets this deadline
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
 
     def _engine(self, model, learner: LearnerConfig, lr: float, dtype: str):
         import deepspeed
@@ -193,6 +197,28 @@ class LearnerWorker:
         with torch.no_grad():
             logits = self.policy(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
             return packed_completion_logprobs(logits, micro)[0].tolist()
+
+    # --- saving and restoring (learner/saving.py) ---------------------------------------------
+    def _engines(self) -> dict:
+        return {role: m for role, m in (("policy", self.policy), ("critic", self.critic)) if m is not None}
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank of the group: the DeepSpeed state of the models this process trains."""
+        saving.save_engines(self._engines(), directory, {"rng": saving.rng_state()})
+        if self.rank == 0 and self.policy is not None:
+            saving.save_hf_files(self.policy.module, self.model_path, os.path.join(directory, "hf"))
+
+    def load_checkpoint(self, directory: str) -> None:
+        state = saving.load_engines(self._engines(), directory)
+        saving.set_rng_state(state.get("rng", {}))
+
+    def save_model(self, directory: str) -> None:
+        """Every policy rank (ZeRO-3 gathers); rank 0 writes the Hugging Face model directory."""
+        if self.policy is None:
+            return
+        named = self.export_weights(copy=False)
+        if self.rank == 0:
+            saving.save_hf_model(self.policy.module, named, self.model_path, directory)
 
     # --- the weights' way out ---------------------------------------------------------------
     def open_weight_publisher(
