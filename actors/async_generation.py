@@ -186,7 +186,9 @@ class AsyncGenerationActor:
                     await freed.wait()
                 if failures:
                     raise failures[0]
-                intake = asyncio.create_task(prompt_queue.get_batch_async(cap - len(inflight), timeouts.idle_s))
+                intake = asyncio.create_task(
+                    prompt_queue.get_batch_async(cap - len(inflight), timeouts.idle_s, self.spec.name)
+                )
                 await asyncio.wait({intake, failed}, return_when=asyncio.FIRST_COMPLETED)
                 if failures:
                     intake.cancel()

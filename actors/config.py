@@ -15,6 +15,12 @@ class RewardConfig(Section):
         description="Reward function as 'path/to/file.py:function_name' (called as fn(prompt, completion, row) "
         "-> float), or 'builtin:<task>'."
     )
+    import_timeout_s: float = Field(
+        60, gt=0, description="Longest time the reward file may take to import when checked before the run starts."
+    )
+    max_error_steps: int = Field(
+        3, gt=0, description="Steps in a row in which every reward call failed before the run stops (it cannot learn)."
+    )
 
 
 class RolloutConfig(Section):

@@ -123,7 +123,7 @@ class GenerationActor:
         groups_done = 0
         try:
             while True:
-                requests = prompt_queue.get_batch(per_call, timeout=timeouts.idle_s)  # woken by a put or a close
+                requests = prompt_queue.get_batch(per_call, timeouts.idle_s, self.spec.name)  # woken by a put/close
                 if not requests:
                     continue
                 self.sync_weights(channel, max(r.min_version for r in requests), timeouts.weights_s)

@@ -35,6 +35,9 @@ class ActorPlacement(Section):
         default_factory=dict,
         description="Custom Ray resources per actor, e.g. {rollout_node: 1}, to pin them to nodes.",
     )
+    max_restarts: int = Field(
+        3, ge=0, description="Times each dead generation actor is replaced; past that the run checkpoints and stops."
+    )
 
 
 class LearnerPlacement(Section):

@@ -8,10 +8,12 @@ the plan (``launch/plan.py``, ``cluster/placement.py``).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 from typing import Any
 
 from cluster.placement import check_fits, local_ray_cpus, ray_options
+from launch import reaper
 from launch.config import ModelConfig, TandemConfig
 from launch.plan import actor_environment, build_plan, rank_environment
 from launch.run_dir import RunLog
@@ -66,12 +68,27 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
     if cfg.resources.address:
         ray.init(address=cfg.resources.address, log_to_driver=log_to_driver, runtime_env=env)
     else:
-        ray.init(
-            num_cpus=local_ray_cpus(kinds, cfg.resources.local_num_cpus),
-            log_to_driver=log_to_driver,
-            include_dashboard=False,
-            runtime_env=env,
-        )
+        from ray._private import ray_constants
+
+        # Ray's servers bind to 127.0.0.1 only when the node address is loopback, and ray.init turns
+        # even an explicit _node_ip_address="127.0.0.1" into the routable address unless clusters are
+        # off: switched off for the call, a local Ray cannot be reached from other machines.
+        clusters, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+        token = secrets.token_hex(8)
+        try:
+            with reaper.marked_environment(token):  # every Ray process inherits the token
+                ray.init(
+                    num_cpus=local_ray_cpus(kinds, cfg.resources.local_num_cpus),
+                    log_to_driver=log_to_driver,
+                    include_dashboard=False,
+                    runtime_env=env,
+                )
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = clusters
+        # a watchdog that ends the session's processes if this process dies without ray.shutdown
+        node = ray._private.worker._global_node
+        gcs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER)
+        reaper.start_watchdog(token, node.get_session_dir_path(), gcs[0].process.pid if gcs else None)
     check_fits(kinds, ray.available_resources())
 
 
@@ -91,9 +108,9 @@ async def _await_ready(refs: list, names: list[str], log_paths: list[str], timeo
     return results
 
 
-async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict) -> list:
-    """``scheduling``: the placement-group bundle strategy of each process by name (from
-    ``cluster.placement.reserve``)."""
+def generation_actor(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict, index: int):
+    """Start generation actor ``index`` (not waiting for it); ``scheduling``: the placement-group
+    bundle strategy of each process by name (from ``cluster.placement.reserve``)."""
     import ray
 
     from actors.async_generation import AsyncGenerationActor
@@ -102,25 +119,34 @@ async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLo
 
     kind = build_plan(cfg).actors
     Actor = ray.remote(AsyncGenerationActor if cfg.rollout.weight_update == "inflight" else GenerationActor)
-    method = cfg.algorithm.method
-    actors, names = [], kind.names()
-    for i, name in enumerate(names):
-        spec = ActorSpec(
-            name=name,
-            model_path=model_path,
-            engine=cfg.engine,
-            rollout=cfg.rollout,
-            reward_function=cfg.reward.function,
-            dtype=cfg.model.dtype,
-            seed=cfg.run.seed + i,
-            tensor_parallel=cfg.resources.actors.tensor_parallel,  # the engine shards over the actor's GPUs/cores
-            log_path=run.log_path(name),
-            step_delimiter=cfg.algorithm.step_delimiter if method.per_step_rewards else None,
-        )
-        actors.append(Actor.options(**ray_options(kind, actor_environment(cfg, i), scheduling[name])).remote(spec))
+    name = kind.names()[index]
+    spec = ActorSpec(
+        name=name,
+        model_path=model_path,
+        engine=cfg.engine,
+        rollout=cfg.rollout,
+        reward_function=cfg.reward.function,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed + index,
+        tensor_parallel=cfg.resources.actors.tensor_parallel,  # the engine shards over the actor's GPUs/cores
+        log_path=run.log_path(name),
+        step_delimiter=cfg.algorithm.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
+    )
+    return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
+
+
+async def await_actors(cfg: TandemConfig, run: RunLog, actors: list, names: list[str]) -> None:
+    """Wait until the actors' engines are up; each one's pid and node go into the run directory."""
     logs = [run.log_path(n) for n in names]
     infos = await _await_ready([a.ready.remote() for a in actors], names, logs, cfg.run.startup_timeout_s)
-    run.placement.update({info["name"]: info["node"] for info in infos})
+    for info in infos:
+        run.process(info["name"], info)
+
+
+async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict) -> list:
+    names = build_plan(cfg).actors.names()
+    actors = [generation_actor(cfg, model_path, run, scheduling, i) for i in range(len(names))]
+    await await_actors(cfg, run, actors, names)
     return actors
 
 
@@ -173,5 +199,6 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
     )
     setups = [w.setup.remote(master_addr, master_port, spec) for w in workers]
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
-    run.placement.update({name: info["node"] for name, info in zip(names, infos)})
+    for name, info in zip(names, infos):
+        run.process(name, info)
     return workers

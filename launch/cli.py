@@ -2,6 +2,8 @@
 
 tandem demo [key=value ...]                   the built-in demo: a real RL run on the CPU
 tandem train --config FILE.yaml [key=value]   train with a config file and overrides
+tandem train --resume RUN_DIR [key=value]     continue a run from its newest intact checkpoint
+tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
 tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
 tandem config-reference                       print every config key (Markdown)
 tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
@@ -17,6 +19,7 @@ import asyncio
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from launch.config import ConfigError, config_reference, load_config
@@ -31,12 +34,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from cluster.dist_channel import WeightPushError
     from cluster.placement import PlacementError
     from launch.build import StartupError
+    from launch.checkpoints import CheckpointError
+    from launch.health import RunCannotLearn
+    from launch.preflight import PreflightError
     from launch.stepping import ActorFailed, DataTimeout
     from launch.submit import LaunchError, SubmitError
+    from launch.train import LearnerFailed
     from queues.prompts import DatasetError
 
     return (
         ConfigError,
+        PreflightError,
+        CheckpointError,
+        RunCannotLearn,
+        LearnerFailed,
         DatasetError,
         RewardSpecError,
         StartupError,
@@ -67,34 +78,120 @@ def reward_summary(metrics_path: Path) -> dict[str, float]:
     return {"steps": len(rewards), "reward_first_10pct": first, "reward_last_10pct": last, "reward_gain": last - first}
 
 
-def run_training(config_path: str | Path, overrides: list[str]) -> int:
-    from actors.rewards import load_reward_function
-    from launch.build import load_prompt_rows, prepare_model
-    from launch.run_dir import RunLog, format_seconds
+class UnexpectedError(RuntimeError):
+    """Anything else that ended a run: its last line here, the traceback in the run's driver log."""
+
+
+def _restartable() -> tuple[type[BaseException], ...]:
+    """Failures ``run.max_restarts`` resumes from: a process died or stopped answering."""
+    from cluster.channel import WeightsTimeout
+    from cluster.dist_channel import WeightPushError
+    from launch.stepping import ActorFailed, DataTimeout
+    from launch.train import LearnerFailed
+
+    return LearnerFailed, ActorFailed, WeightPushError, WeightsTimeout, DataTimeout
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+async def _train_with_signals(cfg, run, rows, model_path, stop, resume):
     from launch.train import train
 
+    stop.install()
+    try:
+        return await train(cfg, run, rows, model_path, stop, resume)
+    finally:
+        stop.uninstall()
+
+
+def run_training(config_path: str | Path | None, overrides: list[str], resume_dir: str | None = None) -> int:
+    from actors.rewards import check_reward_function
+    from launch.build import load_prompt_rows, prepare_model
+    from launch.checkpoints import CheckpointError, CheckpointStore
+    from launch.preflight import preflight
+    from launch.run_dir import RunLog, format_seconds
+    from launch.stopping import StopRequest
+    from launch.train import Resume, check_resumable, time_limit_s
+
     started = time.monotonic()
+    if resume_dir is not None:
+        root = Path(resume_dir)
+        if not (root / "config.yaml").is_file():
+            raise ConfigError(f"--resume {root}: not a run directory (no config.yaml); give the RUN_DIR a run printed")
+        config_path = config_path or root / "config.yaml"
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
-    load_reward_function(cfg.reward.function)
+    check_reward_function(cfg.reward.function, cfg.reward.import_timeout_s)
     rows = load_prompt_rows(cfg.data, cfg.run.seed)
     model_path = prepare_model(cfg.model)
-    run = RunLog.create(cfg.run.output_dir, cfg.run.name, cfg.model_dump(mode="json"), cfg.run.steps)
+    rows = preflight(cfg, model_path, rows)
+    dumped = cfg.model_dump(mode="json")
+    resume = None
+    if resume_dir is not None:
+        store = CheckpointStore(root, cfg.run.keep_checkpoints)
+        checkpoint, state = store.newest(lambda text: print(text, file=sys.stderr))
+        check_resumable(state, rows, cfg)
+        resume = Resume(checkpoint, state)
+        run = RunLog.reopen(root, dumped, cfg.run.steps, first_step=int(state["step"]))
+    else:
+        run = RunLog.create(cfg.run.output_dir, cfg.run.name, dumped, cfg.run.steps, private=cfg.run.private)
+        store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+    status, error, restarts = "failed", None, 0
     try:
-        details = asyncio.run(train(cfg, run, rows, model_path))
+        while True:
+            stop = StopRequest(run.say, time_limit_s(cfg), started)
+            try:
+                progress = asyncio.run(_train_with_signals(cfg, run, rows, model_path, stop, resume))
+                break
+            except _restartable() as exc:
+                _shutdown_ray()
+                if restarts >= cfg.run.max_restarts:
+                    raise
+                try:
+                    checkpoint, state = store.newest(run.say)
+                except CheckpointError:
+                    raise exc from None
+                restarts += 1
+                run.say(
+                    f"{_message(exc)}\nresuming from {checkpoint} (run.max_restarts: {restarts} of "
+                    f"{cfg.run.max_restarts})"
+                )
+                resume = Resume(checkpoint, state)
+                run.close(None)
+                run = RunLog.reopen(run.root, dumped, cfg.run.steps, first_step=int(state["step"]))
+            finally:
+                _shutdown_ray()
+        status = f"stopped ({progress.stopped})" if progress.stopped else "completed"
+    except _user_errors() as exc:
+        error = _message(exc)
+        raise
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {(_message(exc).strip().splitlines() or [''])[-1]}"
+        log = run.logs / "driver.log"
+        log.write_text(traceback.format_exc())
+        raise UnexpectedError(f"{error}; full traceback: {log}") from None
     finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-    summary = {**reward_summary(run.root / "metrics.jsonl"), "wall_s": round(time.monotonic() - started, 1), **details}
-    run.close(summary)
+        summary = {**reward_summary(run.root / "metrics.jsonl"), "status": status, "restarts": restarts}
+        summary["wall_s"] = round(time.monotonic() - started, 1)
+        if error:
+            summary["error"] = error
+        if status != "failed":
+            summary.update(last_checkpoint=str(progress.checkpoint or ""), **progress.details)
+        run.close(summary)
     run.say(
-        f"\ndone in {format_seconds(summary['wall_s'])}: {summary.get('steps', 0)} steps, mean reward "
+        f"\n{status} in {format_seconds(summary['wall_s'])}: {summary.get('steps', 0)} steps, mean reward "
         f"{summary.get('reward_first_10pct', 0):.3f} (first 10%) -> {summary.get('reward_last_10pct', 0):.3f} "
-        f"(last 10%)\nrun files: {run.root} (config.yaml, metrics.jsonl, tb/, logs/, summary.json)"
+        f"(last 10%)\nrun files: {run.root} (config.yaml, metrics.jsonl, samples.jsonl, model/, checkpoints/, "
+        "tb/, logs/, summary.json)"
     )
-    return 0
+    if progress.stopped:
+        run.say(f"resume with: tandem train --resume {run.root}")
+    return stop.exit_code
 
 
 def _render_launcher(args: argparse.Namespace) -> int:
@@ -219,12 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the built-in demo (tiny model, built-in task, CPU)")
     demo.add_argument("overrides", nargs="*", help="config overrides, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
-    tr.add_argument("--config", required=True, help="YAML config file")
+    tr.add_argument("--config", help="YAML config file (with --resume: default the run's own config.yaml)")
+    tr.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
     tr.add_argument("--address", help="join this Ray cluster (host:port or 'auto') instead of starting a local Ray")
     tr.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. learner.lr=3e-4)")
     tiny = sub.add_parser("tiny-model", help="build the tiny random-init Qwen2 model and tokenizer")
     tiny.add_argument("dir")
     sub.add_parser("config-reference", help="print the config reference (Markdown)")
+    ex = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
+    ex.add_argument("run_dir")
+    ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest intact one)")
+    ex.add_argument("--out", required=True, help="directory to write (new or empty)")
     _add_launchers(sub)
     args = parser.parse_args(argv)
 
@@ -254,12 +356,23 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_tiny_model(args.dir))
             return 0
+        if args.command == "export":
+            from launch.export import export_model
+
+            print(export_model(args.run_dir, args.out, args.step, say=lambda t: print(t, file=sys.stderr)))
+            return 0
         config = DEMO_CONFIG if args.command == "demo" else args.config
+        resume = getattr(args, "resume", None)
+        if config is None and resume is None:
+            parser.error("train needs --config FILE.yaml (or --resume RUN_DIR)")
         address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
-        return run_training(config, args.overrides + address)
+        return run_training(config, args.overrides + address, resume)
     except _user_errors() as exc:
         print(f"tandem: error: {_message(exc)}", file=sys.stderr)
         return 2
+    except UnexpectedError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from actors.config import EngineConfig, RewardConfig, RolloutConfig
 from cluster.config import ResourcesConfig, WeightsConfig
@@ -36,6 +36,21 @@ class ModelConfig(Section):
     )
 
 
+def parse_duration(text: str) -> float:
+    """Seconds from ``"5400"``, ``"1:30:00"`` (H:MM:SS), ``"1:30"`` (H:MM) or ``"2-12:00:00"`` (D-H:MM:SS)."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if len(parts) == 1 and not days:
+        try:
+            return float(parts[0])
+        except ValueError:
+            raise ValueError(f"{text!r} is not seconds or [D-]H:MM[:SS]") from None
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
+        raise ValueError(f"{text!r} is not seconds or [D-]H:MM[:SS]")
+    h, m, sec = (int(p) for p in (parts + ["0"])[:3])
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
+
+
 class RunConfig(Section):
     name: str = Field("run", description="Run name; the run directory is <output_dir>/<name>-<timestamp>.")
     output_dir: str = Field("runs", description="Parent directory of run directories.")
@@ -47,6 +62,41 @@ class RunConfig(Section):
     data_timeout_s: float = Field(300, gt=0, description="Longest wait for a batch before the run fails.")
     weights_timeout_s: float = Field(120, gt=0, description="Longest wait for new weights before the run fails.")
     startup_timeout_s: float = Field(600, gt=0, description="Longest wait for actors and learners to start.")
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Checkpoint (DeepSpeed state + run state) every N steps, and at every stop (0: only then).",
+    )
+    save_every: int = Field(
+        0,
+        ge=0,
+        description="Also write the policy as a Hugging Face model into the checkpoint every N steps (0: never).",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    log_samples: int = Field(4, ge=0, description="Completions per step written to samples.jsonl.")
+    max_restarts: int = Field(
+        0, ge=0, description="Times a failed run resumes by itself from its newest checkpoint (a dead learner rank...)."
+    )
+    max_nonfinite_steps: int = Field(
+        3, gt=0, description="Steps in a row with a non-finite loss or gradient (each skipped) before the run stops."
+    )
+    time_limit: str | float | None = Field(
+        None,
+        description="Wall-time limit as seconds or [D-]H:MM:SS (e.g. the SLURM allocation): the run checkpoints and "
+        "stops cleanly before it runs out.",
+    )
+    private: bool = Field(True, description="Create the run directory readable by its owner only (mode 0700).")
+
+    @field_validator("time_limit")
+    @classmethod
+    def _duration(cls, value: str | float | None) -> str | None:
+        if value is not None:
+            try:
+                if parse_duration(str(value)) <= 0:
+                    raise ValueError(f"{value!r} is not a positive duration")
+            except ValueError as exc:
+                raise ValueError(f"run.time_limit: {exc}; write e.g. 3600 or 23:30:00") from None
+        return None if value is None else str(value)
 
 
 class TandemConfig(Section):
@@ -69,6 +119,12 @@ class TandemConfig(Section):
             raise ValueError(
                 f"rollout.prompts_per_step x rollout.group_size = {batch} sequences cannot fill "
                 f"algorithm.minibatches = {minibatches} optimizer steps; lower algorithm.minibatches"
+            )
+        if self.rollout.max_tokens >= self.engine.max_model_len:
+            raise ValueError(
+                f"rollout.max_tokens = {self.rollout.max_tokens} leaves no room for a prompt in "
+                f"engine.max_model_len = {self.engine.max_model_len} (prompt + completion); lower "
+                "rollout.max_tokens or raise engine.max_model_len"
             )
         algo = self.algorithm
         if algo.soft_overlong and algo.soft_overlong.cache_len >= self.rollout.max_tokens:

@@ -27,22 +27,24 @@ class ActorFailed(RuntimeError):
 
 
 class Pace:
-    """Admission control: prompt ``i`` may be generated once the learner's version ``v``
-    satisfies ``i < (v + k + 1) * P + dropped``, i.e. it is trained at a step <= v + k
-    (in arrival order) and so has staleness <= k. Dropped prompts are replaced."""
+    """Admission control: the ``i``-th prompt handed out (counting from this process's first step,
+    policy version ``v0``) may be generated once the learner's version ``v`` satisfies
+    ``i < (v - v0 + k + 1) * P + dropped``, i.e. it is trained at a step <= v + k (in arrival
+    order) and so has staleness <= k. A prompt that is dropped as too stale, or lost with its
+    actor, frees its place (``drop``) for the prompt that is generated again."""
 
-    def __init__(self, prompts_per_step: int, max_staleness: int):
+    def __init__(self, prompts_per_step: int, max_staleness: int, start_version: int = 0):
         self.P, self.k = prompts_per_step, max_staleness
-        self.version = 0
+        self.start = self.version = start_version
         self.dropped = 0
         self._changed = asyncio.Condition()
 
     def allowance(self) -> int:
-        return (self.version + self.k + 1) * self.P + self.dropped
+        return (self.version - self.start + self.k + 1) * self.P + self.dropped
 
-    async def admit(self, prompt_id: int) -> None:
+    async def admit(self, slot: int) -> None:
         async with self._changed:
-            await self._changed.wait_for(lambda: prompt_id < self.allowance())
+            await self._changed.wait_for(lambda: slot < self.allowance())
 
     async def advance(self, version: int) -> None:
         """Version ``version`` is published: the allowance grows by ``P``."""
@@ -50,10 +52,10 @@ class Pace:
             self.version = version
             self._changed.notify_all()
 
-    async def drop(self) -> None:
-        """A group was dropped as too stale: one more prompt may be admitted in its place."""
+    async def drop(self, count: int = 1) -> None:
+        """Groups were dropped as too stale or lost: as many more prompts may be admitted."""
         async with self._changed:
-            self.dropped += 1
+            self.dropped += count
             self._changed.notify_all()
 
 
@@ -63,23 +65,74 @@ class Batch:
     step: int
     dropped: int  # groups thrown away as too stale while collecting this batch
     wait_s: float  # time the learner waited for data
+    duplicates: int = 0  # groups ignored: their prompt was trained already, or is in this batch
     staleness: collections.Counter = field(default_factory=collections.Counter)  # per-token histogram
 
 
-class BatchCollector:
-    """Pulls groups from the results queue until a step's batch is complete. ``actor_loops``:
-    each generation actor's ``run`` reference by actor name; one that ends during a run failed."""
+class ActorWatch:
+    """The generation actors' ``run`` loops, by actor name; one that ends during a run failed.
+    (``launch/supervise.py`` replaces such an actor instead.)"""
 
-    def __init__(self, results_queue, actor_loops: dict, run, timeout: float, on_drop: Callable[[], Awaitable]):
-        self.queue, self.run = results_queue, run
-        self.timeout, self.on_drop = timeout, on_drop
+    def __init__(self, actor_loops: dict, run):
+        self.run = run
+        self.refs = {name: ref for ref, name in actor_loops.items()}  # each actor's current loop
         # an awaitable per actor loop, created once: waiting on them is how a dead actor is noticed
         self.loops = {asyncio.ensure_future(ref): name for ref, name in actor_loops.items()}
+
+    def watch(self, ref, name: str) -> None:
+        self.refs[name] = ref
+        self.loops[asyncio.ensure_future(ref)] = name
+
+    async def ended(self, loop: asyncio.Future) -> None:
+        """``loop`` has ended: raise ``ActorFailed``."""
+        raise ActorFailed(
+            f"{self.loops[loop]} stopped: {loop_cause(loop)}; full log: {self.run.log_path(self.loops[loop])}"
+        )
+
+    def close(self) -> None:
+        """Stop watching (the run is ending): a loop that ended with an error has been reported,
+        or the run failed for another reason first."""
+        for loop in self.loops:
+            if loop.done() and not loop.cancelled():
+                loop.exception()  # retrieved: not logged again as "never retrieved"
+            else:
+                loop.cancel()
+
+
+def loop_cause(loop: asyncio.Future) -> str:
+    if loop.cancelled():
+        return "its loop was cancelled"
+    if loop.exception() is None:
+        return "its loop returned early"
+    text = str(loop.exception()).strip()
+    return text.splitlines()[-1] if text else type(loop.exception()).__name__
+
+
+class BatchCollector:
+    """Pulls groups from the results queue until a step's batch is complete. ``actors``: an
+    ``ActorWatch`` (or a dict of each actor's ``run`` reference by name). ``on_drop(group)`` is
+    awaited for a group too stale to train; ``accept(group)`` says whether a group is new (the
+    prompt ledger's duplicate check)."""
+
+    def __init__(
+        self,
+        results_queue,
+        actors,
+        run,
+        timeout: float,
+        on_drop: Callable[[TrajectoryGroup], Awaitable],
+        accept: Callable[[TrajectoryGroup], bool] = lambda group: True,
+    ):
+        self.queue, self.run = results_queue, run
+        self.timeout, self.on_drop, self.accept = timeout, on_drop, accept
+        self.actors = actors if isinstance(actors, ActorWatch) else ActorWatch(actors, run)
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
         start = time.monotonic()
         deadline = start + self.timeout
         batch = Batch(groups=[], step=step, dropped=0, wait_s=0.0)
+        seen: set[int] = set()
+        got = None  # the pending get: never abandoned (what it takes from the queue must not be lost)
         while len(batch.groups) < num_groups:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -87,17 +140,23 @@ class BatchCollector:
                     f"step {step}: only {len(batch.groups)} of {num_groups} prompt groups arrived in "
                     f"{self.timeout:.0f}s (run.data_timeout_s); see the actor logs in {self.run.logs}"
                 )
-            got = asyncio.ensure_future(self.queue.get_batch_async(num_groups - len(batch.groups), timeout=left))
-            await asyncio.wait({got, *self.loops}, return_when=asyncio.FIRST_COMPLETED)
+            if got is None:
+                got = asyncio.ensure_future(self.queue.get_batch_async(num_groups - len(batch.groups), timeout=left))
+            await asyncio.wait({got, *self.actors.loops}, return_when=asyncio.FIRST_COMPLETED)
+            for loop in [loop for loop in self.actors.loops if loop.done()]:
+                await self.actors.ended(loop)  # raises, or replaces the actor
             if not got.done():
-                got.cancel()
-                self.check_actors()
-            for group in got.result():
-                if step - group.oldest_version > max_staleness:
-                    batch.dropped += 1  # never trained on: counted and replaced
-                    await self.on_drop()
-                    continue
-                batch.groups.append(group)
+                continue
+            groups, got = got.result(), None
+            for group in groups:
+                if group.prompt_id in seen or not self.accept(group):
+                    batch.duplicates += 1  # e.g. a dead actor's late result of a prompt generated again
+                elif step - group.oldest_version > max_staleness:
+                    batch.dropped += 1  # never trained on: counted and generated again
+                    await self.on_drop(group)
+                else:
+                    batch.groups.append(group)
+                    seen.add(group.prompt_id)
         batch.groups.sort(key=lambda g: g.prompt_id)  # arrival order must not change the result
         for group in batch.groups:
             for traj in group.trajectories:
@@ -107,25 +166,7 @@ class BatchCollector:
         return batch
 
     def close(self) -> None:
-        """Stop watching the actor loops (the run is ending): a loop that ended with an error has
-        been reported, or the run failed for another reason first."""
-        for loop in self.loops:
-            if loop.done() and not loop.cancelled():
-                loop.exception()  # retrieved: not logged again as "never retrieved"
-            else:
-                loop.cancel()
-
-    def check_actors(self) -> None:
-        """An actor loop only returns after shutdown; one that has ended now has failed."""
-        for loop, name in self.loops.items():
-            if not loop.done():
-                continue
-            if loop.exception() is None:
-                cause = "its loop returned early"
-            else:
-                text = str(loop.exception()).strip()
-                cause = text.splitlines()[-1] if text else type(loop.exception()).__name__
-            raise ActorFailed(f"{name} stopped: {cause}; full log: {self.run.log_path(name)}")
+        self.actors.close()
 
 
 def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -> dict[str, Any]:
@@ -152,3 +193,27 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "tokens_per_s": total_tokens / step_seconds if step_seconds > 0 else 0.0,
         **{f"learner/{k}": v for k, v in learner.items()},
     }
+
+
+def sample_records(batch: Batch, step: int, count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` completions of the step for ``samples.jsonl``: one from each group in turn."""
+    groups, records = batch.groups, []
+    for i in range(min(count, sum(len(g.trajectories) for g in groups))):
+        group = groups[i % len(groups)]
+        if i // len(groups) >= len(group.trajectories):
+            continue
+        traj = group.trajectories[i // len(groups)]
+        version = int(np.min(traj.policy_versions)) if len(traj.policy_versions) else step
+        records.append(
+            {
+                "step": step,
+                "prompt_id": group.prompt_id,
+                "prompt": group.row.get("prompt"),
+                "completion": traj.completion_text,
+                "reward": traj.reward,
+                "policy_version": version,
+                "staleness": step - version,
+                "finish_reason": traj.finish_reason,
+            }
+        )
+    return records

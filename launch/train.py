@@ -5,29 +5,94 @@
         admission control            └──────────── weight channel ◀──────────────┘
 
 The rollout loop admits a prompt only while it can still be trained on within
-``max_staleness`` policy versions; the training loop drops (and counts) anything older
-all the same. With ``max_staleness: 0`` the two loops alternate (synchronous RL).
+``max_staleness`` policy versions; the training loop drops anything older, and has it
+generated again. With ``max_staleness: 0`` the two loops alternate (synchronous RL).
+
+Nothing is lost: the prompt ledger (``launch/ledger.py``) knows every prompt admitted and not yet
+trained; checkpoints (``launch/checkpoints.py``) store it with the learner's state, and a resumed
+run generates those prompts again. A dead generation actor is replaced (``launch/supervise.py``);
+a signal or the time limit stops at a step boundary (``launch/stopping.py``); a run that cannot
+learn stops and says why (``launch/health.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from actors.spec import ActorTimeouts
+from cluster.channel import WeightsTimeout
+from cluster.dist_channel import WeightPushError
 from cluster.placement import reserve
-from launch.build import build_generation_actors, build_learner_group, start_ray
-from launch.config import TandemConfig
+from launch.build import await_actors, build_generation_actors, build_learner_group, generation_actor, start_ray
+from launch.checkpoints import CheckpointError, CheckpointStore
+from launch.config import TandemConfig, parse_duration
+from launch.health import RunHealth
+from launch.ledger import PromptLedger
 from launch.plan import build_plan
 from launch.run_dir import RunLog
-from launch.stepping import BatchCollector, Pace, step_metrics
+from launch.stepping import ActorFailed, BatchCollector, DataTimeout, Pace, sample_records, step_metrics
+from launch.stopping import StopRequest
+from launch.supervise import ActorPool
 from queues.bounded import build_queue
 from queues.messages import PromptRequest
 from queues.prompts import PromptStream
 
+CLOSE_TIMEOUT_S = 15.0  # a close call to a process that may be stuck or gone
 
-async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str) -> dict[str, Any]:
+
+class LearnerFailed(RuntimeError):
+    """A learner rank died; the message names it, its log and how to resume."""
+
+
+# failures after which the learner still holds a good state: the run checkpoints before it stops
+CHECKPOINT_ON = (ActorFailed, DataTimeout, WeightsTimeout, WeightPushError)
+
+
+@dataclass
+class Resume:
+    """Where a resumed run starts: the checkpoint directory and its run state."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+@dataclass
+class Progress:
+    """How far the run got (for the summary and the resume line)."""
+
+    done: int = 0  # steps completed
+    checkpoint: Path | None = None
+    checkpoint_s: float = 0.0
+    stopped: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def resume_hint(run: RunLog) -> str:
+    return f"tandem train --resume {run.root}"
+
+
+def _rank_name(exc: BaseException, learner, plan) -> str | None:
+    """The learner process a ``RayActorError`` is about, by actor id."""
+    actor_id = getattr(exc, "actor_id", None)
+    kinds = [(learner.workers, plan.learner), (learner.critics, plan.critic), (learner.references, plan.reference)]
+    for handles, kind in kinds:
+        for handle, name in zip(handles, kind.names() if kind else []):
+            if actor_id and handle._actor_id.hex() == actor_id:
+                return name
+    return None
+
+
+async def train(
+    cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str, stop: StopRequest, resume: Resume | None = None
+) -> Progress:
+    import ray
+
     plan = build_plan(cfg)
     start_ray(cfg)
     extra = "".join(f", {k.count} separate {k.prefix} process(es)" for k in (plan.critic, plan.reference) if k)
@@ -35,6 +100,14 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         f"run directory: {run.root}\nstarting {plan.actors.count} generation actor(s) and "
         f"{plan.learner.count} learner rank(s){extra} ..."
     )
+    state = resume.state if resume else {}
+    first = int(state.get("step", 0))
+    progress = Progress(done=first, checkpoint=resume.path if resume else None)
+    stream = PromptStream(rows, cfg.run.seed, cfg.data.shuffle)
+    ledger = PromptLedger.restore(stream, state["ledger"]) if resume else PromptLedger(stream)
+    store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+    health = RunHealth(cfg.learner.lr, cfg.reward.max_error_steps, cfg.run.max_nonfinite_steps, run.say)
+    health.restore(state.get("health", {}))
 
     P, k, steps = cfg.rollout.prompts_per_step, cfg.run.max_staleness, cfg.run.steps
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
@@ -45,52 +118,193 @@ async def train(cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: st
         build_learner_group(cfg, model_path, run, scheduling),
     )
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
+    if resume:
+        await learner.load_checkpoint(str(resume.path))
+        learner.restore(state["learner"])
+        run.say(
+            f"resumed from {resume.path} at step {first}: {len(ledger.outstanding)} prompt(s) admitted before it "
+            "are generated again"
+        )
     names = plan.actors.names()
     channels = await learner.open_weight_channel(cfg.weights, names, cfg.run.startup_timeout_s)
+    if first:
+        await learner.publish_weights(first)  # the actors generate with the resumed policy, version `first`
     timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
-    actor_loops = {
-        a.run.remote(prompt_queue, results_queue, channel, timeouts): name
-        for a, channel, name in zip(actors, channels, names, strict=True)
-    }
-    pace = Pace(prompts_per_step=P, max_staleness=k)
+    pace = Pace(prompts_per_step=P, max_staleness=k, start_version=first)
+
+    async def start_actor(index: int):
+        actor = generation_actor(cfg, model_path, run, scheduling, index)
+        await await_actors(cfg, run, [actor], [names[index]])
+        return actor
+
+    pool = ActorPool(
+        actors,
+        names,
+        start_loop=lambda actor, i: actor.run.remote(prompt_queue, results_queue, channels[i], timeouts),
+        start_actor=start_actor,
+        run=run,
+        ledger=ledger,
+        queues=(prompt_queue, results_queue),
+        on_requeue=pace.drop,
+        max_restarts=cfg.resources.actors.max_restarts,
+        cannot_restart=None
+        if cfg.weights.backend == "ray"
+        else "the distributed weight channel is one process group and cannot take a new actor",
+        restarts=state.get("restarts"),
+    )
     run.say(f"training {steps} steps: {P} prompts x {cfg.rollout.group_size} samples per step, max staleness {k}")
 
     async def rollout_loop() -> None:
-        for prompt_id, row in enumerate(PromptStream(rows, cfg.run.seed, cfg.data.shuffle)):
-            await pace.admit(prompt_id)  # waits until this prompt can be trained on within k versions
+        slot = 0
+        while True:
+            await pace.admit(slot)  # waits until this prompt can be trained on within k versions
+            slot += 1
+            prompt_id, row = ledger.take()
             request = PromptRequest(prompt_id=prompt_id, row=row, min_version=pace.version)
             await prompt_queue.put_many_async([request], timeout=cfg.run.data_timeout_s)
 
+    async def on_drop(group) -> None:
+        if ledger.is_outstanding(group.prompt_id):
+            ledger.again([group.prompt_id])
+            await pace.drop()
+
+    async def checkpoint() -> None:
+        done, t0 = progress.done, time.monotonic()
+        partial = store.begin(done)
+        await learner.save_checkpoint(str(partial))
+        if cfg.run.save_every and done % cfg.run.save_every == 0:
+            await learner.save_model(str(partial / "model"))
+        run_state = {
+            "step": done,
+            "version": done,
+            "ledger": ledger.state(),
+            "learner": learner.state(),
+            "restarts": dict(pool.restarts),
+            "health": health.state(),
+        }
+        progress.checkpoint, size = store.commit(partial, done, run_state)
+        progress.checkpoint_s = time.monotonic() - t0
+        run.say(f"checkpoint: {progress.checkpoint} ({size / 1e6:.1f} MB in {progress.checkpoint_s:.1f}s)")
+
+    async def collect_or_stop(collector: BatchCollector, step: int):
+        collecting = asyncio.ensure_future(collector.collect(P, step=step, max_staleness=k))
+        stopping = asyncio.ensure_future(stop.event.wait())
+        await asyncio.wait({collecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not collecting.done():
+            collecting.cancel()  # abandoned: its prompts stay outstanding in the ledger
+            return None
+        return collecting.result()
+
     async def training_loop() -> None:
-        collector = BatchCollector(results_queue, actor_loops, run, cfg.run.data_timeout_s, on_drop=pace.drop)
+        accept = lambda group: ledger.is_outstanding(group.prompt_id)  # noqa: E731
+        collector = BatchCollector(results_queue, pool, run, cfg.run.data_timeout_s, on_drop=on_drop, accept=accept)
+        step_s = 0.0
         try:
-            for step in range(steps):
+            for step in range(first, steps):
+                if stop.requested or stop.time_is_short(step_s, progress.checkpoint_s):
+                    break
                 t0 = time.monotonic()
-                batch = await collector.collect(P, step=step, max_staleness=k)
+                batch = await collect_or_stop(collector, step)
+                if batch is None:
+                    break
                 learner_metrics = await learner.train_step(batch.groups)
+                for group in batch.groups:
+                    ledger.trained(group.prompt_id)
+                health.check(step, batch.groups, learner_metrics)
                 await learner.publish_weights(step + 1)
                 await pace.advance(step + 1)  # policy version step + 1 is now on the channel
-                run.step(step, step_metrics(batch, learner_metrics, time.monotonic() - t0))
+                step_s = time.monotonic() - t0
+                metrics = step_metrics(batch, learner_metrics, step_s)
+                metrics.update(
+                    prompt_ids=[g.prompt_id for g in batch.groups],
+                    duplicates=batch.duplicates,
+                    actor_restarts=pool.total_restarts,
+                )
+                run.step(step, metrics)
+                run.samples(sample_records(batch, step, cfg.run.log_samples))
+                progress.done = step + 1
+                every = cfg.run.checkpoint_every
+                if every and progress.done % every == 0 and progress.done < steps:
+                    await checkpoint()
         finally:
             collector.close()
+
+    def checkpoint_due() -> bool:
+        """Steps were trained since the newest checkpoint."""
+        last = progress.checkpoint
+        return progress.done > 0 and (last is None or last.name != f"step-{progress.done}")
+
+    async def finish() -> None:
+        """A clean end (all steps, a signal, the time limit): checkpoint, then the model."""
+        if progress.done == 0:
+            run.say("stopped before the first step: nothing to checkpoint")
+            return
+        if checkpoint_due():
+            await checkpoint()
+        partial, final = run.root / ".partial-model", run.root / "model"
+        shutil.rmtree(partial, ignore_errors=True)
+        await learner.save_model(str(partial))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        run.say(f"model: {final} (Hugging Face format, step {progress.done})")
 
     rollout = asyncio.create_task(rollout_loop())
     try:
         await training_loop()
+        progress.stopped = stop.reason
+        await finish()
+    except CHECKPOINT_ON as exc:
+        if checkpoint_due():
+            try:
+                await asyncio.wait_for(checkpoint(), cfg.run.startup_timeout_s)
+            except Exception as ckpt_exc:  # the run's own error matters more
+                run.say(f"could not checkpoint: {type(ckpt_exc).__name__}: {ckpt_exc}")
+        raise type(exc)(f"{exc}; checkpointed at step {progress.done}; resume with: {resume_hint(run)}") from None
+    except ray.exceptions.RayActorError as exc:
+        name = _rank_name(exc, learner, plan)
+        if name is None:
+            raise
+        last = f"checkpoint {progress.checkpoint}" if progress.checkpoint else "no checkpoint yet"
+        raise LearnerFailed(
+            f"{name} died ({str(exc).strip().splitlines()[0][:160]}); its log: {run.log_path(name)}; "
+            f"{last}; resume with: {resume_hint(run)}"
+        ) from None
     finally:
         rollout.cancel()
         # Weights first (a distributed receiver tears its group down on the close header), then the
         # queues: every actor waiting on them wakes with QueueClosed and its loop returns.
         for close in (learner.close_weight_channel, prompt_queue.close, results_queue.close):
             try:
-                await close()
+                await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
             except Exception as exc:  # a failed run's own error matters more than a failed close
                 run.say(f"while stopping: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+    loops = list(pool.refs.values())
     try:
-        finals = await asyncio.wait_for(
-            asyncio.gather(*actor_loops, return_exceptions=True), timeout=cfg.run.weights_timeout_s
-        )
+        finals = await asyncio.wait_for(asyncio.gather(*loops, return_exceptions=True), cfg.run.weights_timeout_s)
     except asyncio.TimeoutError:
         run.say(f"some actors did not stop within {cfg.run.weights_timeout_s:.0f}s; shutting them down")
-        finals = [f"did not stop within {cfg.run.weights_timeout_s:.0f}s"] * len(actor_loops)
-    return {"actors": [f if isinstance(f, dict) else repr(f) for f in finals], "placement": run.placement}
+        finals = [f"did not stop within {cfg.run.weights_timeout_s:.0f}s"] * len(loops)
+    progress.details = {
+        "actors": [f if isinstance(f, dict) else repr(f) for f in finals],
+        "placement": run.placement,
+        "actor_restarts": dict(pool.restarts),
+        "nonfinite_updates": health.nonfinite_total,
+    }
+    return progress
+
+
+def time_limit_s(cfg: TandemConfig) -> float | None:
+    return parse_duration(cfg.run.time_limit) if cfg.run.time_limit is not None else None
+
+
+def check_resumable(state: dict[str, Any], rows: list[dict], cfg: TandemConfig) -> None:
+    """The data order of the checkpoint must be this run's."""
+    ledger = state["ledger"]
+    now = {"rows": len(rows), "seed": cfg.run.seed, "shuffle": cfg.data.shuffle}
+    then = {key: ledger[key] for key in now}
+    if then != now:
+        raise CheckpointError(
+            f"the data order changed since the checkpoint ({then} then, {now} now); resume with the same "
+            "data.prompts, run.seed and data.shuffle"
+        )

@@ -10,6 +10,10 @@ Every wait has a deadline: ``put`` raises ``QueueTimeout`` when the queue stays 
 they wait for, never by polling. ``close()`` ends the queue: every waiting and later
 ``put``/``get_batch`` raises ``QueueClosed`` at once (items still inside are abandoned), which
 is how the actors learn that the run is over.
+
+A consumer may name itself (``taker``) when it takes items; the queue then remembers the
+``prompt_id`` of what each taker took recently, so that when a consumer dies the driver can
+tell which prompts it was holding (``taken_by``) and have them generated again.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class QueueClosed(RuntimeError):
     """The queue was closed: the run is over for its producers and consumers."""
 
 
+TAKEN_MEMORY = 65536
+
+
 class _Deque:
     """The queue's state and its blocking rules, shared by both backends."""
 
@@ -37,6 +44,7 @@ class _Deque:
         self.maxsize = maxsize
         self.items: collections.deque = collections.deque()
         self.closed = False
+        self.taken: dict[str, collections.deque] = {}  # taker -> prompt ids it took, newest last
 
     def can_put(self, n: int) -> bool:
         return self.closed or len(self.items) + n <= self.maxsize or not self.items
@@ -44,9 +52,22 @@ class _Deque:
     def can_get(self) -> bool:
         return self.closed or len(self.items) > 0
 
-    def take(self, max_items: int) -> list:
+    def take(self, max_items: int, taker: str | None = None) -> list:
         n = min(max_items, len(self.items))
-        return [self.items.popleft() for _ in range(n)]
+        batch = [self.items.popleft() for _ in range(n)]
+        if taker is not None:
+            # bounded: a consumer holds a few hundred prompts at most; older ones are long trained
+            record = self.taken.setdefault(taker, collections.deque(maxlen=TAKEN_MEMORY))
+            record.extend(item.prompt_id for item in batch if hasattr(item, "prompt_id"))
+        return batch
+
+    def taken_by(self, taker: str) -> list[int]:
+        """The prompt ids ``taker`` took (the most recent ``TAKEN_MEMORY``); forgets them."""
+        return list(self.taken.pop(taker, ()))
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt ids of the items waiting in the queue."""
+        return [item.prompt_id for item in self.items if hasattr(item, "prompt_id")]
 
 
 class _RayQueueActor:
@@ -70,7 +91,7 @@ class _RayQueueActor:
             self.changed.notify_all()
             return True, True
 
-    async def get_batch(self, max_items: int, timeout: float) -> tuple[bool, list]:
+    async def get_batch(self, max_items: int, timeout: float, taker: str | None = None) -> tuple[bool, list]:
         async with self.changed:
             try:
                 await asyncio.wait_for(self.changed.wait_for(self.state.can_get), timeout)
@@ -78,7 +99,7 @@ class _RayQueueActor:
                 return True, []
             if self.state.closed:
                 return False, []
-            batch = self.state.take(max_items)
+            batch = self.state.take(max_items, taker)
             self.changed.notify_all()
             return True, batch
 
@@ -89,6 +110,12 @@ class _RayQueueActor:
 
     def size(self) -> int:
         return len(self.state.items)
+
+    def taken_by(self, taker: str) -> list[int]:
+        return self.state.taken_by(taker)
+
+    def prompt_ids(self) -> list[int]:
+        return self.state.prompt_ids()
 
 
 def _closed(name: str) -> QueueClosed:
@@ -130,16 +157,22 @@ class RayQueue:
     async def put_many_async(self, items: list, timeout: float) -> None:
         self._put_result(await self._actor.put_many.remote(list(items), timeout), timeout)
 
-    def get_batch(self, max_items: int, timeout: float) -> list:
+    def get_batch(self, max_items: int, timeout: float, taker: str | None = None) -> list:
         import ray
 
-        return self._get_result(ray.get(self._actor.get_batch.remote(max_items, timeout)))
+        return self._get_result(ray.get(self._actor.get_batch.remote(max_items, timeout, taker)))
 
-    async def get_batch_async(self, max_items: int, timeout: float) -> list:
-        return self._get_result(await self._actor.get_batch.remote(max_items, timeout))
+    async def get_batch_async(self, max_items: int, timeout: float, taker: str | None = None) -> list:
+        return self._get_result(await self._actor.get_batch.remote(max_items, timeout, taker))
 
     async def close(self) -> None:
         await self._actor.close.remote()
+
+    async def taken_by(self, taker: str) -> list[int]:
+        return await self._actor.taken_by.remote(taker)
+
+    async def prompt_ids(self) -> list[int]:
+        return await self._actor.prompt_ids.remote()
 
     def size(self) -> int:
         import ray
@@ -167,17 +200,25 @@ class LocalQueue:
     async def put_many_async(self, items: list, timeout: float) -> None:
         await asyncio.to_thread(self.put_many, items, timeout)
 
-    def get_batch(self, max_items: int, timeout: float) -> list:
+    def get_batch(self, max_items: int, timeout: float, taker: str | None = None) -> list:
         with self._changed:
             self._changed.wait_for(self._state.can_get, timeout)
             if self._state.closed:
                 raise _closed(self.name)
-            batch = self._state.take(max_items)
+            batch = self._state.take(max_items, taker)
             self._changed.notify_all()
             return batch
 
-    async def get_batch_async(self, max_items: int, timeout: float) -> list:
-        return await asyncio.to_thread(self.get_batch, max_items, timeout)
+    async def get_batch_async(self, max_items: int, timeout: float, taker: str | None = None) -> list:
+        return await asyncio.to_thread(self.get_batch, max_items, timeout, taker)
+
+    async def taken_by(self, taker: str) -> list[int]:
+        with self._changed:
+            return self._state.taken_by(taker)
+
+    async def prompt_ids(self) -> list[int]:
+        with self._changed:
+            return self._state.prompt_ids()
 
     def close_now(self) -> None:
         with self._changed:

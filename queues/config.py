@@ -23,3 +23,8 @@ class DataConfig(Section):
     )
     num_rows: int = Field(2048, gt=0, description="Rows to generate for a built-in task.")
     shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded by run.seed).")
+    skip_long_prompts: bool = Field(
+        False,
+        description="Drop (and count) rows whose prompt leaves fewer than rollout.max_tokens tokens in "
+        "engine.max_model_len, instead of failing before the run starts.",
+    )

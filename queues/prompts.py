@@ -24,8 +24,15 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         raise DatasetError(f"prompt file {p} does not exist; set data.prompts to a JSONL file or 'builtin:<task>'")
     rows = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, start=1):
+    with p.open("rb") as f:  # bytes, so a decoding error is pinned to its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{p} line {lineno} is not UTF-8 text (byte {exc.object[exc.start]:#04x} cannot be decoded); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -50,17 +57,28 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 class PromptStream:
-    """Endless rows: each epoch is a fresh seeded shuffle (or the file order)."""
+    """Endless rows: each epoch is a fresh seeded shuffle (or the file order). Position ``i`` of
+    the stream (a prompt id) is always the same row for the same rows, seed and ``shuffle``."""
 
     def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool = True):
         self.rows, self.seed, self.shuffle = rows, seed, shuffle
+        self._orders: dict[int, list[int]] = {}
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        epoch = 0
-        while True:
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
             order = list(range(len(self.rows)))
             if self.shuffle:
                 random.Random(self.seed * 7919 + epoch).shuffle(order)
-            for i in order:
-                yield self.rows[i]
-            epoch += 1
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # two epochs at most
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def row(self, position: int) -> dict[str, Any]:
+        epoch, index = divmod(position, len(self.rows))
+        return self.rows[self._order(epoch)[index]]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        position = 0
+        while True:
+            yield self.row(position)
+            position += 1

@@ -136,7 +136,7 @@ def test_collector_drops_too_stale_groups_and_counts_them():
         )
         dropped = []
 
-        async def on_drop():
+        async def on_drop(group):
             dropped.append(1)
 
         collector = BatchCollector(q, {}, run=None, timeout=5, on_drop=on_drop)

@@ -66,7 +66,7 @@ async def simulate(k: int, seed: int, pace: Pace, steps: int = 12, actors: int =
             pid += 1
 
     tasks = [asyncio.create_task(actor(i)) for i in range(actors)] + [asyncio.create_task(rollout())]
-    collector = BatchCollector(results, {}, run=None, timeout=10, on_drop=pace.drop)
+    collector = BatchCollector(results, {}, run=None, timeout=10, on_drop=lambda group: pace.drop())
     trained, dropped = [], 0
     for step in range(steps):
         batch = await collector.collect(P, step=step, max_staleness=k)

@@ -1,0 +1,79 @@
+"""A run that cannot learn says so: reward functions that fail, losses that are not finite.
+
+After every step ``RunHealth.check`` looks at what the step trained on and what the learner
+reported:
+  - reward errors: the first error's message is printed once, and the count rides on every
+    progress line; a step where every reward call failed is said; ``reward.max_error_steps``
+    such steps in a row stop the run (it would train on zeros);
+  - non-finite updates: the learner skipped them (``learner/rank.py``: no rank applies an update
+    whose loss or gradient is not finite, so nothing is published from it); each is said, and
+    ``run.max_nonfinite_steps`` steps in a row whose every update was skipped stop the run with
+    the likely cause.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+class RunCannotLearn(RuntimeError):
+    """The run is not learning; the message names the likely cause and the fix."""
+
+
+class RunHealth:
+    def __init__(self, lr: float, max_error_steps: int, max_nonfinite_steps: int, say: Callable[[str], None]):
+        self.lr, self.say = lr, say
+        self.max_error_steps, self.max_nonfinite_steps = max_error_steps, max_nonfinite_steps
+        self.error_streak = self.nonfinite_streak = 0
+        self.reported_error = False
+        self.nonfinite_total = 0
+
+    def state(self) -> dict[str, int]:
+        return {"nonfinite_total": self.nonfinite_total}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+
+    def check(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
+        self._rewards(step, groups)
+        self._updates(step, groups, metrics)
+
+    def _rewards(self, step: int, groups: list) -> None:
+        errors = sum(g.reward_errors for g in groups)
+        samples = sum(len(g.trajectories) for g in groups)
+        first = next((g.first_reward_error for g in groups if g.first_reward_error), None)
+        if errors and not self.reported_error:
+            self.reported_error = True
+            self.say(f"step {step + 1}: {errors} of {samples} reward calls failed (scored 0); first error: {first}")
+        self.error_streak = self.error_streak + 1 if samples and errors == samples else 0
+        if self.error_streak:
+            self.say(f"step {step + 1}: every reward call failed; first error: {first}")
+        if self.error_streak >= self.max_error_steps:
+            raise RunCannotLearn(
+                f"every reward call failed for {self.error_streak} steps in a row (reward.max_error_steps); "
+                f"first error: {first}; fix reward.function (its errors are in the actor logs)"
+            )
+
+    def _updates(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
+        skipped = int(metrics.get("nonfinite_updates", 0))
+        updates = int(metrics.get("updates", 1))
+        self.nonfinite_total += skipped
+        if skipped:
+            self.say(f"step {step + 1}: {skipped} of {updates} update(s) skipped: the loss or gradient was not finite")
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped and skipped == updates else 0
+        if self.nonfinite_streak >= self.max_nonfinite_steps:
+            raise RunCannotLearn(
+                f"the loss or gradient was not finite for {self.nonfinite_streak} steps in a row "
+                f"(run.max_nonfinite_steps); likely cause: {self._cause(groups)}"
+            )
+
+    def _cause(self, groups: list) -> str:
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        biggest = max((abs(r) for r in rewards), default=0.0)
+        if not all(math.isfinite(r) for r in rewards) or biggest > 1e6:
+            return f"rewards too large (max |reward| {biggest:.3g}); scale reward.function's output to about [-10, 10]"
+        if self.lr > 0.01:
+            return f"learner.lr = {self.lr:g} is far too high; try 1e-6 to 1e-4 for a pretrained model"
+        return "the weights diverged; lower learner.lr or set learner.grad_clip (and check the rewards)"

@@ -1,0 +1,74 @@
+"""A clean stop: SIGINT, SIGTERM or the time limit end the run at a step boundary.
+
+The first signal asks the training loop to stop: the step being trained finishes, a step still
+waiting for its batch is abandoned, then the run checkpoints, saves the model, writes
+``summary.json`` and stops every process (exit 130 for SIGINT, 143 for SIGTERM). A second
+signal stops at once. ``run.time_limit`` (e.g. the SLURM allocation) stops the same way, before
+a next step and its checkpoint would no longer fit in the time left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class StopRequest:
+    def __init__(self, say: Callable[[str], None], time_limit_s: float | None = None, started: float | None = None):
+        self.say = say
+        self.time_limit_s = time_limit_s
+        self.started = time.monotonic() if started is None else started
+        self.reason: str | None = None  # "SIGINT", "SIGTERM" or "time_limit"
+        self.event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.reason or "", 0)
+
+    def install(self) -> None:
+        """Take SIGINT and SIGTERM in the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(sig, self._received, sig)
+
+    def uninstall(self) -> None:
+        if self._loop is not None:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._loop.remove_signal_handler(sig)
+            self._loop = None
+
+    def _received(self, sig: signal.Signals) -> None:
+        if self.reason in EXIT_CODES:  # the second one: no checkpoint, no waiting
+            self.say(f"{sig.name} again: stopping now, without a checkpoint")
+            os._exit(EXIT_CODES[sig.name])  # Ray's processes go with the driver (launch/reaper.py)
+        self.request(sig.name)
+        self.say(
+            f"{sig.name}: finishing the current step, then checkpointing and stopping "
+            f"(press Ctrl-C again to stop at once)"
+        )
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self.event.set()
+
+    def time_is_short(self, step_s: float, checkpoint_s: float) -> bool:
+        """True when another step and a checkpoint (with a margin) may not fit in the time left."""
+        if self.time_limit_s is None:
+            return False
+        left = self.time_limit_s - (time.monotonic() - self.started)
+        if left < 1.5 * step_s + 2 * checkpoint_s + 10:
+            self.request("time_limit")
+            self.say(f"run.time_limit: {left:.0f}s left; checkpointing and stopping")
+            return True
+        return False
