@@ -178,6 +178,8 @@ def run_training(config_path: str | Path | None, overrides: list[str], resume_di
     finally:
         summary = {**reward_summary(run.root / "metrics.jsonl"), "status": status, "restarts": restarts}
         summary["wall_s"] = round(time.monotonic() - started, 1)
+        if run.first_step_at is not None:  # start-up: from the command to this process's first step
+            summary["startup_s"] = round(run.first_step_at - started, 1)
         if error:
             summary["error"] = error
         if status != "failed":

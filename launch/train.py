@@ -127,8 +127,6 @@ async def train(
         )
     names = plan.actors.names()
     channels = await learner.open_weight_channel(cfg.weights, names, cfg.run.startup_timeout_s)
-    if first:
-        await learner.publish_weights(first)  # the actors generate with the resumed policy, version `first`
     timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
     pace = Pace(prompts_per_step=P, max_staleness=k, start_version=first)
 
@@ -251,6 +249,8 @@ async def train(
 
     rollout = asyncio.create_task(rollout_loop())
     try:
+        if first:  # the actors generate with the resumed policy, version `first` (a distributed
+            await learner.publish_weights(first)  # receiver joins when its actor takes a first prompt)
         await training_loop()
         progress.stopped = stop.reason
         await finish()

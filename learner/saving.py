@@ -82,7 +82,7 @@ def save_hf_model(module, named: list[tuple[str, torch.Tensor]], tokenizer_path:
 def fp32_state_dict(checkpoint: str | Path, tag: str = TAGS["policy"]) -> dict[str, torch.Tensor]:
     """The policy's weights from a DeepSpeed checkpoint, in this process, for ``tandem export``."""
     root = Path(checkpoint) / "deepspeed"
-    files = sorted((root / tag).glob("mp_rank_*_model_states.pt"))
+    files = sorted((root / tag).glob("*mp_rank_*_model_states.pt"))  # ZeRO-3 prefixes zero_pp_rank_N_
     if not files:
         raise FileNotFoundError(f"no DeepSpeed model states in {root / tag}")
     if list((root / tag).glob("*optim_states.pt")) and list((root / tag).glob("zero_pp_rank_*")):
@@ -90,5 +90,5 @@ def fp32_state_dict(checkpoint: str | Path, tag: str = TAGS["policy"]) -> dict[s
 
         # ZeRO 1-3: the fp32 master weights, merged from every rank's partition
         return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-    states = torch.load(files[0], map_location="cpu", weights_only=False)
+    states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # only "module" is read
     return {k: v.float() for k, v in states["module"].items()}  # ZeRO 0: the weights are the model states

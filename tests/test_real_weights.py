@@ -63,8 +63,9 @@ def test_pushed_weights_reach_the_actor(ray_session, tiny_model_dir, tmp_path, t
     assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3  # the push changed the actor's policy
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3], ids=["zero0", "zero3"])
 def test_the_saved_model_loads_in_transformers_and_vllm_and_exports_from_a_checkpoint(
-    ray_session, tiny_model_dir, tmp_path
+    ray_session, tiny_model_dir, tmp_path, zero_stage
 ):
     """The trained policy written as a Hugging Face directory (learner/saving.py) is the learner's:
     vLLM's log-probs of a fixed completion from the saved model equal the learner's within 1e-4 in
@@ -80,8 +81,8 @@ def test_the_saved_model_loads_in_transformers_and_vllm_and_exports_from_a_check
 
     worker = ray.remote(LearnerWorker).options(**rank_options()).remote(0, 1, str(tmp_path / "learner.log"))
     addr, port = ray.get(worker.rendezvous_address.remote())
-    rank = RankSpec(tiny_model_dir, LearnerConfig(lr=0.05), AlgorithmConfig(), "float32", 0, max_tokens=16)
-    ray.get(worker.setup.remote(addr, port, rank))
+    learner = LearnerConfig(lr=0.05, zero_stage=zero_stage)
+    ray.get(worker.setup.remote(addr, port, RankSpec(tiny_model_dir, learner, AlgorithmConfig(), "float32", 0, 16)))
     group = LearnerGroup([worker], AlgorithmConfig(), token_budget=4096, max_tokens=16)
     asyncio.run(group.train_step([make_group(p, [1.0, 0.0, 0.5, 0.0], completion_len=6) for p in range(2)]))
     saved, checkpoint = tmp_path / "model", tmp_path / "checkpoint"
