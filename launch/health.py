@@ -8,7 +8,10 @@ reported:
   - non-finite updates: the learner skipped them (``learner/rank.py``: no rank applies an update
     whose loss or gradient is not finite, so nothing is published from it); each is said, and
     ``run.max_nonfinite_steps`` steps in a row whose every update was skipped stop the run with
-    the likely cause.
+    the likely cause;
+  - a policy that became uniform: its mean entropy at ln V (the vocabulary's), with finite losses
+    and no gradient left (a learning rate far too high does this), for ``run.max_nonfinite_steps``
+    steps in a row, when it was not uniform at the start, stops the run the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+
+UNIFORM_TOLERANCE = 1e-5  # relative: a random-init model starts near ln V, but not this near
 
 
 class RunCannotLearn(RuntimeError):
@@ -29,16 +35,36 @@ class RunHealth:
         self.error_streak = self.nonfinite_streak = 0
         self.reported_error = False
         self.nonfinite_total = 0
+        self.uniform_streak = 0
+        self.started_uniform: bool | None = None  # the policy's first step was already uniform
 
-    def state(self) -> dict[str, int]:
-        return {"nonfinite_total": self.nonfinite_total}
+    def state(self) -> dict[str, Any]:
+        return {"nonfinite_total": self.nonfinite_total, "started_uniform": self.started_uniform}
 
-    def restore(self, state: dict[str, int]) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.started_uniform = state.get("started_uniform")
 
     def check(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
         self._rewards(step, groups)
         self._updates(step, groups, metrics)
+        self._collapse(step, groups, metrics)
+
+    def _collapse(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
+        entropy, top = metrics.get("entropy"), metrics.get("uniform_entropy")
+        if entropy is None or not top or not math.isfinite(entropy):
+            return
+        uniform = entropy >= top * (1 - UNIFORM_TOLERANCE)
+        if self.started_uniform is None:
+            self.started_uniform = uniform
+        self.uniform_streak = self.uniform_streak + 1 if uniform and not self.started_uniform else 0
+        if self.uniform_streak == 1:
+            self.say(f"step {step + 1}: the policy is uniform over its vocabulary (entropy {entropy:.4f} = ln V)")
+        if self.uniform_streak >= self.max_nonfinite_steps:
+            raise RunCannotLearn(
+                f"the policy has been uniform over its vocabulary (entropy = ln V = {top:.4f}) for "
+                f"{self.uniform_streak} steps in a row: the weights diverged; likely cause: {self._cause(groups)}"
+            )
 
     def _rewards(self, step: int, groups: list) -> None:
         errors = sum(g.reward_errors for g in groups)

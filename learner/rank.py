@@ -79,12 +79,14 @@ class RankStep:
         self.kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.enabled else None
         # the old policy is scored up front when it differs from the current one at some update, or a KL needs it
         self.needs_old = models.policy is not None and (algorithm.kl.enabled or algorithm.updates_per_batch > 1)
+        self.vocab = 1
         self.batch: RankBatch | None = None
         self.tokens: TokenRewards | None = None
 
     # --- the forward passes -----------------------------------------------------------------
     def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False):
         logits = model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
+        self.vocab = logits.shape[-1]
         return packed_completion_logprobs(logits, micro, mask, with_entropy=with_entropy)
 
     def _values(self, micro: PackedInputs, mask: torch.Tensor) -> torch.Tensor:
@@ -190,6 +192,7 @@ class RankStep:
                         # global sum, so scale by world size to make the reduced gradient the global one.
                         policy.backward(loss * self.world_size, scale_wrt_gas=False)
                         metrics["entropy"] = entropy.sum() / max(n, 1.0)
+                        metrics["uniform_entropy"] = math.log(self.vocab)  # ln V: a policy that says nothing
                         totals["loss"] += float(loss.detach())
                         finite = finite and bool(torch.isfinite(loss.detach()))
                     if self.models.critic is not None:

@@ -231,3 +231,20 @@ def test_samples_come_from_different_groups():
     assert [r["prompt_id"] for r in records] == [0, 1, 2, 0]
     assert {"prompt", "completion", "reward", "policy_version", "staleness", "finish_reason"} <= set(records[0])
     assert records[0]["staleness"] == 4 - records[0]["policy_version"]
+
+
+def test_a_policy_that_became_uniform_stops_the_run_but_one_that_starts_near_uniform_does_not():
+    import math
+
+    top = math.log(64)
+    said = []
+    diverged = RunHealth(lr=1000.0, max_error_steps=3, max_nonfinite_steps=2, say=said.append)
+    groups = [make_group(0, [1.0, 0.0])]
+    diverged.check(0, groups, {"entropy": 0.99 * top, "uniform_entropy": top})  # a random init: near ln V
+    diverged.check(1, groups, {"entropy": top, "uniform_entropy": top})
+    with pytest.raises(RunCannotLearn, match="uniform over its vocabulary.*learner.lr = 1000"):
+        diverged.check(2, groups, {"entropy": top, "uniform_entropy": top})
+    assert "uniform" in said[0]
+    from_start = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=2, say=said.append)
+    for step in range(4):  # uniform from the first step (nothing was learned yet): not a divergence
+        from_start.check(step, groups, {"entropy": top, "uniform_entropy": top})
