@@ -20,7 +20,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-
 UNIFORM_TOLERANCE = 1e-5  # relative: a random-init model starts near ln V, but not this near
 
 
