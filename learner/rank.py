@@ -42,8 +42,14 @@ def _parameters(model) -> list:
 
 
 def discard_gradients(model) -> None:
-    """Drop the gradients of an update that is skipped: the parameters' and a ZeRO optimizer's
-    partitioned copies (a DeepSpeed engine), or a plain optimiser's."""
+    """Skip the update of non-finite gradients. A DeepSpeed ZeRO optimizer (stages 1-3) does so
+    itself inside ``step()``: its gradient norm is not finite, so it applies nothing and clears its
+    partitioned buffers (calling ``step`` keeps its bookkeeping right). Otherwise (ZeRO-0, a plain
+    optimiser) the gradients are dropped here."""
+    stage = getattr(model, "zero_optimization_stage", None)
+    if callable(stage) and stage() > 0:
+        model.step()
+        return
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         optimizer.zero_grad()
