@@ -206,6 +206,8 @@ async def train(
                 batch = await collect_or_stop(collector, step)
                 if batch is None:
                     break
+                if step == steps - 1:
+                    rollout.cancel()  # nothing more will be trained: admit no prompt for step `steps`
                 learner_metrics = await learner.train_step(batch.groups)
                 for group in batch.groups:
                     ledger.trained(group.prompt_id)
@@ -255,6 +257,8 @@ async def train(
         progress.stopped = stop.reason
         await finish()
     except CHECKPOINT_ON as exc:
+        cause = getattr(exc, "cause", None)  # raised in a Ray actor: the original error, not the traceback
+        exc = cause if isinstance(cause, CHECKPOINT_ON) else exc
         if checkpoint_due():
             try:
                 await asyncio.wait_for(checkpoint(), cfg.run.startup_timeout_s)

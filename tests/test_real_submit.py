@@ -134,7 +134,7 @@ def test_submit_runs_the_demo_as_a_ray_job(ray_cluster, tmp_path, tiny_model_dir
     job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
     assert job_id.startswith("raysubmit_"), log
     assert f"to {address}: python -m launch.cli train --config configs/demo.yaml resources.address=auto" in log
-    assert "step    3/3 | reward" in log and "done in" in log  # the job's own output, streamed back
+    assert "step    3/3 | reward" in log and "completed in" in log  # the job's own output, streamed back
     assert f"job {job_id}: SUCCEEDED" in log
     (run_dir,) = out_dir.iterdir()  # the absolute run.output_dir, written by the job's driver
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
