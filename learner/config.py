@@ -36,6 +36,12 @@ class LearnerConfig(Section):
         description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
         "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
     )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Tokens per chunk of the log-prob/entropy computation: its memory is chunk x vocab, not "
+        "tokens x vocab (0: all at once).",
+    )
     collective_timeout_s: float = Field(
         600, gt=0, description="Deadline of one collective between learner ranks (torch's default is 30 minutes)."
     )

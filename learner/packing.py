@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from learner.logprobs import token_entropy, token_logprobs
 from learner.shard import TokenShard
 
 # ---------------------------------------------------------------------------------------
@@ -321,14 +322,19 @@ def packed_at_completion(per_position: torch.Tensor, batch: PackedInputs) -> tor
 
 
 def packed_completion_logprobs(
-    logits: torch.Tensor, batch: PackedInputs, mask: torch.Tensor | None = None, with_entropy: bool = False
+    logits: torch.Tensor,
+    batch: PackedInputs,
+    mask: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    chunk: int = 1024,
 ):
     """log pi(token) of every completion token: ``[n, T]`` (and the entropy ``[n, T]`` of each
     predicting distribution when ``with_entropy``), zero on padding and where ``mask`` is 0.
 
     ``logits`` is ``[R, Lr, V]`` (the full rows) or ``[1, N, V]`` (the model was called with
-    ``logits_to_keep=batch.logit_positions``). Log-softmax runs over the N predicting
-    positions only, never over the prompt or a padded ``[n, T, V]`` block.
+    ``logits_to_keep=batch.logit_positions``). The log-softmax runs over the N predicting
+    positions only, never over the prompt or a padded ``[n, T, V]`` block, and ``chunk`` of them
+    at a time (``learner/logprobs.py``): no fp32 ``[N, V]`` tensor is kept for the backward.
     """
     valid = batch.completion_valid  # [n, T]
     n_keep = int(valid.sum())
@@ -338,12 +344,10 @@ def packed_completion_logprobs(
         picked = logits[0]  # [N, V]
     else:
         raise ValueError(f"logits cover {logits.size(1)} positions; expected L={batch.input_ids.size(1)} or N={n_keep}")
-    logp = torch.log_softmax(picked.float(), dim=-1)  # [N, V]
-    token_logp = torch.gather(logp, 1, batch.completion_ids[valid].unsqueeze(-1)).squeeze(-1)  # [N]
-    zeros = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
-    keep = valid.to(logp.dtype) if mask is None else mask.to(logp.dtype)
+    token_logp = token_logprobs(picked, batch.completion_ids[valid], chunk)  # [N] fp32
+    zeros = torch.zeros(valid.shape, dtype=token_logp.dtype, device=token_logp.device)
+    keep = valid.to(zeros.dtype) if mask is None else mask.to(zeros.dtype)
     out = zeros.masked_scatter(valid, token_logp) * keep  # [n, T]
     if not with_entropy:
         return out
-    entropy = -(logp.exp() * logp).sum(-1)  # H = -sum_v p log p, [N]
-    return out, (zeros.masked_scatter(valid, entropy.detach()) * keep)
+    return out, (zeros.masked_scatter(valid, token_entropy(picked, chunk)) * keep)

@@ -120,6 +120,7 @@ class LearnerWorker:
             device=device,
             mask_dtype=torch.bool if attention == "sdpa" else float_mask,
             row_tokens=spec.learner.pack_row_tokens,
+            logprob_chunk=spec.learner.logprob_chunk_tokens,
         )
         self.step = RankStep(models, spec.algorithm, layout, spec.max_tokens, self.world_size)
         print(

@@ -1,0 +1,70 @@
+"""Log-probabilities and entropies of sampled tokens, computed in chunks of tokens.
+
+For the ``N`` predicting positions of a micro-batch with logits ``z`` (``[N, V]``) and sampled
+tokens ``y`` (``[N]``):
+
+    log pi(y_i) = z_{i, y_i} - logsumexp_v z_{i, v}
+    H_i         = logsumexp_v z_{i, v} - sum_v p_{i, v} z_{i, v},    p_i = softmax(z_i)
+
+A full ``log_softmax`` would hold an fp32 ``[N, V]`` tensor for the backward pass (at 16K tokens and
+a 152K vocabulary, 10 GB). Here the forward pass keeps only the per-token ``logsumexp`` (``[N]``)
+and walks the logits ``chunk`` rows at a time in fp32; the backward pass recomputes each chunk's
+softmax from it:
+
+    d log pi(y_i) / d z_{i, v} = 1[v = y_i] - p_{i, v}
+
+so the log-prob stage's extra memory is ``chunk x V`` floats, whatever ``N`` is. The entropy is a
+metric (no gradient), computed chunk by chunk under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, chunk: int) -> Tensor:
+        out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for start in range(0, logits.size(0), chunk):
+            z = logits[start : start + chunk].float()
+            lse[start : start + chunk] = torch.logsumexp(z, dim=-1)
+            picked = z.gather(1, ids[start : start + chunk, None]).squeeze(1)
+            out[start : start + chunk] = picked - lse[start : start + chunk]
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, ids, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.size(0), ctx.chunk):
+            end = start + ctx.chunk
+            p = torch.exp(logits[start:end].float() - lse[start:end, None])  # [c, V] softmax
+            g = -p * grad[start:end, None]
+            g.scatter_add_(1, ids[start:end, None], grad[start:end, None])
+            grad_logits[start:end] = g.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def token_logprobs(logits: Tensor, ids: Tensor, chunk: int = 1024) -> Tensor:
+    """``[N]`` fp32 ``log pi(ids_i)`` from ``[N, V]`` logits, ``chunk`` rows at a time (see above);
+    differentiable with respect to ``logits``. ``chunk <= 0``: all rows at once."""
+    if logits.size(0) == 0:
+        return logits.new_zeros(0, dtype=torch.float32)
+    return _ChunkedTokenLogprob.apply(logits, ids, chunk if chunk > 0 else logits.size(0))
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor, chunk: int = 1024) -> Tensor:
+    """``[N]`` fp32 entropy of each row's softmax, ``chunk`` rows at a time (no gradient)."""
+    out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
+    step = chunk if chunk > 0 else max(logits.size(0), 1)
+    for start in range(0, logits.size(0), step):
+        z = logits[start : start + step].float()
+        lse = torch.logsumexp(z, dim=-1)
+        out[start : start + step] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return out

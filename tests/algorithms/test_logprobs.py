@@ -1,0 +1,49 @@
+"""Chunked log-probs and entropies of sampled tokens (``learner/logprobs.py``): hand-computed
+numbers, and the same values and gradients as a full log-softmax for every chunk size."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.logprobs import token_entropy, token_logprobs
+
+
+def test_hand_computed_logprob_entropy_and_gradient():
+    # row 0: logits [0, ln 3] -> p = [1/4, 3/4]; token 1: log(3/4); H = -(1/4 ln 1/4 + 3/4 ln 3/4)
+    # row 1: logits [0, 0] -> p = [1/2, 1/2]; token 0: log(1/2); H = ln 2
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], requires_grad=True)
+    logp = token_logprobs(logits, torch.tensor([1, 0]), chunk=1)
+    assert torch.allclose(logp, torch.tensor([math.log(0.75), math.log(0.5)]))
+    entropy = token_entropy(logits, chunk=1)
+    assert torch.allclose(entropy, torch.tensor([-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), math.log(2.0)]))
+    logp.sum().backward()  # d/dz = onehot(y) - p
+    assert torch.allclose(logits.grad, torch.tensor([[-0.25, 0.25], [0.5, -0.5]]))
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 3, 7, 64])
+def test_chunked_equals_a_full_log_softmax_in_values_and_gradients(chunk):
+    torch.manual_seed(0)
+    logits = (torch.randn(23, 101) * 4).requires_grad_()
+    ids = torch.randint(0, 101, (23,))
+    weights = torch.randn(23)  # a loss that weighs tokens differently
+    full = torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1)
+    (full * weights).sum().backward()
+    reference_grad, logits.grad = logits.grad.clone(), None
+    chunked = token_logprobs(logits, ids, chunk)
+    (chunked * weights).sum().backward()
+    assert (chunked - full).abs().max() < 1e-6
+    assert (logits.grad - reference_grad).abs().max() < 1e-6
+    p = torch.softmax(logits.detach(), -1)
+    assert (token_entropy(logits, chunk) - (-(p * p.log()).sum(-1))).abs().max() < 1e-5
+
+
+def test_bf16_logits_get_bf16_gradients_and_no_rows_is_fine():
+    logits = torch.randn(5, 11).to(torch.bfloat16).requires_grad_()
+    out = token_logprobs(logits, torch.randint(0, 11, (5,)), chunk=2)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    assert token_logprobs(torch.zeros(0, 11), torch.zeros(0, dtype=torch.long)).shape == (0,)
