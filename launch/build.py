@@ -195,7 +195,14 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
     ]
     master_addr, master_port = await workers[0].rendezvous_address.remote()
     spec = RankSpec(
-        model_path, cfg.learner, cfg.algorithm, cfg.model.dtype, cfg.run.seed, cfg.rollout.max_tokens, roles
+        model_path,
+        cfg.learner,
+        cfg.algorithm,
+        cfg.model.dtype,
+        cfg.run.seed,
+        cfg.rollout.max_tokens,
+        roles,
+        total_updates=cfg.run.steps * cfg.algorithm.updates_per_batch,
     )
     setups = [w.setup.remote(master_addr, master_port, spec) for w in workers]
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)

@@ -16,6 +16,7 @@ from learner.algorithms import AGGREGATIONS, KL_ESTIMATORS
 from learner.algorithms.importance import LEVELS as TIS_LEVELS
 from learner.algorithms.importance import MODES as TIS_MODES
 from learner.methods import METHODS
+from learner.schedule import SCHEDULES
 from queues.config import Section
 
 METHOD_NAMES = tuple(METHODS)
@@ -36,6 +37,11 @@ class LearnerConfig(Section):
         description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
         "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
     )
+    lr_schedule: Literal[SCHEDULES] = Field(  # type: ignore[valid-type]
+        "constant", description="After warm-up: constant, linear or cosine decay over the run's updates."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer updates of linear learning-rate warm-up.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Decay ends at learner.lr x this.")
     logprob_chunk_tokens: int = Field(
         1024,
         ge=0,

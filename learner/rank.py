@@ -181,6 +181,8 @@ class RankStep:
                 batch.set("advantages", whiten(batch.column("advantages"), mask, moments=torch.from_numpy(whitening)))
             # |A| of the advantages trained on (after whitening); token-weighted over ranks like the rest
             advantage_abs = float((batch.column("advantages").abs() * mask).sum()) / max(float(mask.sum()), 1.0)
+        get_lr = getattr(policy, "get_lr", None)
+        lr = float(get_lr()[0]) if callable(get_lr) else None  # the rate of this step's first update
         tokens, skipped, updates = 0, 0, 0
         for model in self._trainable():
             model.train()
@@ -223,6 +225,8 @@ class RankStep:
             out["advantage_abs_mean"] = advantage_abs
         out["seconds"] = time.monotonic() - start
         grad_norm = policy.get_global_grad_norm() if policy is not None and skipped < updates else None
+        if lr is not None:
+            out["lr"] = lr
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         self.batch = self.tokens = None  # the step is over

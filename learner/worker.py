@@ -14,6 +14,7 @@ reference actor holds only the reference and no process group.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from learner import saving
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
 from learner.rank import Layout, Models, RankStep
+from learner.schedule import lr_factor
 from learner.shard import RankShard
 
 
@@ -41,6 +43,7 @@ class RankSpec:
     seed: int
     max_tokens: int  # rollout.max_tokens: L_max of fixed-length aggregation
     roles: tuple[str, ...] = ("policy",)  # policy / critic / reference
+    total_updates: int = 0  # optimizer updates in the run (the schedule's decay length; 0: no decay)
 
 
 def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
@@ -99,11 +102,11 @@ class LearnerWorker:
         models = Models()
         if "policy" in roles:
             model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
-            models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype)
+            models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype, spec.total_updates)
         if "critic" in roles:
             critic = spec.algorithm.critic
             value_model = build_value_model(critic.path or spec.model_path, critic.init, spec.seed)
-            models.critic = self._engine(value_model, spec.learner, critic.lr, spec.dtype)
+            models.critic = self._engine(value_model, spec.learner, critic.lr, spec.dtype, spec.total_updates)
         if "reference" in roles:
             ref_path = spec.algorithm.kl.reference_path or spec.model_path
             dt = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
@@ -151,14 +154,24 @@ class LearnerWorker:
         # every collective of the group (ZeRO's, the export's, the checkpoint's) gets this deadline
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
 
-    def _engine(self, model, learner: LearnerConfig, lr: float, dtype: str):
+    def _engine(self, model, learner: LearnerConfig, lr: float, dtype: str, total_updates: int):
         import deepspeed
         import torch
 
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=tuple(learner.betas), weight_decay=learner.weight_decay
         )
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(learner, dtype))
+        factor = functools.partial(
+            lr_factor,
+            kind=learner.lr_schedule,
+            warmup=learner.warmup_steps,
+            total=total_updates,
+            min_ratio=learner.min_lr_ratio,
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # saved and restored with the engine
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(learner, dtype)
+        )
         return engine
 
     # --- one training step (learner/rank.py) ----------------------------------------------

@@ -128,7 +128,8 @@ def weights(root: Path) -> dict[str, torch.Tensor]:
 
 
 def test_synchronous_resume_after_kill_9_of_the_driver_is_the_same_run(tmp_path, tiny_model_dir, slow_reward, capsys):
-    common = [*BASE, "run.max_staleness=0", slow_reward]
+    # a warm-up then cosine schedule: the resumed run must pick up its position too
+    common = [*BASE, "run.max_staleness=0", "learner.lr_schedule=cosine", "learner.warmup_steps=2", slow_reward]
     one_go = tmp_path / "one-go"
     assert train(DEMO, tiny_model_dir, one_go, *common) == 0
 
@@ -146,6 +147,8 @@ def test_synchronous_resume_after_kill_9_of_the_driver_is_the_same_run(tmp_path,
     assert [m["step"] for m in got] == list(range(8))  # steps 4 and 5 were trained again, once each
     assert [m["prompt_ids"] for m in got] == [m["prompt_ids"] for m in expected]
     assert [m["learner/loss"] for m in got] == [m["learner/loss"] for m in expected]
+    assert [m["learner/lr"] for m in got] == [m["learner/lr"] for m in expected]
+    assert got[0]["learner/lr"] < got[1]["learner/lr"] > got[-1]["learner/lr"]  # warm-up, then decay
     assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in expected]
     a, b = weights(run_dir(one_go)), weights(root)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
