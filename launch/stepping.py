@@ -66,6 +66,10 @@ class Batch:
     dropped: int  # groups thrown away as too stale while collecting this batch
     wait_s: float  # time the learner waited for data
     duplicates: int = 0  # groups ignored: their prompt was trained already, or is in this batch
+    filtered: int = 0  # groups left out by dynamic sampling (all rewards equal), trained on by no step
+    zero_variance: int = 0  # groups with all rewards equal among those collected (filtered or not)
+    filtered_ids: list[int] = field(default_factory=list)
+    oversample_reached: bool = False  # the filter's limit was reached: zero-variance groups filled the batch
     staleness: collections.Counter = field(default_factory=collections.Counter)  # per-token histogram
 
 
@@ -122,10 +126,14 @@ class BatchCollector:
         timeout: float,
         on_drop: Callable[[TrajectoryGroup], Awaitable],
         accept: Callable[[TrajectoryGroup], bool] = lambda group: True,
+        max_filtered: int | None = None,
+        on_filter: Callable[[TrajectoryGroup], Awaitable] | None = None,
     ):
         self.queue, self.run = results_queue, run
         self.timeout, self.on_drop, self.accept = timeout, on_drop, accept
         self.actors = actors if isinstance(actors, ActorWatch) else ActorWatch(actors, run)
+        # dynamic sampling: up to ``max_filtered`` zero-variance groups a step are left out (None: off)
+        self.max_filtered, self.on_filter = max_filtered, on_filter
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
         start = time.monotonic()
@@ -154,6 +162,10 @@ class BatchCollector:
                 elif step - group.oldest_version > max_staleness:
                     batch.dropped += 1  # never trained on: counted and generated again
                     await self.on_drop(group)
+                elif self._filter_out(batch, group):
+                    batch.filtered += 1  # no learning signal: left out, and one more prompt admitted
+                    batch.filtered_ids.append(group.prompt_id)
+                    await self.on_filter(group)
                 else:
                     batch.groups.append(group)
                     seen.add(group.prompt_id)
@@ -164,6 +176,18 @@ class BatchCollector:
                 batch.staleness.update(dict(zip(ages.tolist(), counts.tolist())))
         batch.wait_s = time.monotonic() - start
         return batch
+
+    def _filter_out(self, batch: Batch, group: TrajectoryGroup) -> bool:
+        rewards = [t.reward for t in group.trajectories]
+        if max(rewards) != min(rewards):
+            return False
+        batch.zero_variance += 1
+        if self.max_filtered is None:
+            return False
+        if batch.filtered >= self.max_filtered:
+            batch.oversample_reached = True
+            return False
+        return True
 
     def close(self) -> None:
         self.actors.close()
@@ -187,6 +211,9 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "staleness_max": max(batch.staleness, default=0),
         "staleness_hist": hist,
         "dropped_stale": batch.dropped,
+        "filtered_groups": batch.filtered,
+        # the collapse signal: the share of collected groups whose rewards were all equal
+        "zero_variance_frac": batch.zero_variance / max(len(batch.groups) + batch.filtered, 1),
         "learner_wait_s": batch.wait_s,
         "actor_weight_wait_s": sum(g.weight_wait_s for g in batch.groups),
         "step_seconds": step_seconds,

@@ -161,6 +161,12 @@ async def train(
             request = PromptRequest(prompt_id=prompt_id, row=row, min_version=pace.version)
             await prompt_queue.put_many_async([request], timeout=cfg.run.data_timeout_s)
 
+    async def on_filter(group) -> None:
+        """A group left out by dynamic sampling: its prompt is done (not generated again), and one
+        more prompt may be admitted in its place."""
+        ledger.trained(group.prompt_id)
+        await pace.drop()
+
     async def on_drop(group) -> None:
         if ledger.is_outstanding(group.prompt_id):
             ledger.again([group.prompt_id])
@@ -196,7 +202,18 @@ async def train(
 
     async def training_loop() -> None:
         accept = lambda group: ledger.is_outstanding(group.prompt_id)  # noqa: E731
-        collector = BatchCollector(results_queue, pool, run, cfg.run.data_timeout_s, on_drop=on_drop, accept=accept)
+        filtering = cfg.algorithm.filter_groups == "zero_variance"
+        collector = BatchCollector(
+            results_queue,
+            pool,
+            run,
+            cfg.run.data_timeout_s,
+            on_drop=on_drop,
+            accept=accept,
+            max_filtered=int((cfg.algorithm.max_oversample - 1) * P) if filtering else None,
+            on_filter=on_filter,
+        )
+        said_oversample = False
         step_s = 0.0
         try:
             for step in range(first, steps):
@@ -206,6 +223,13 @@ async def train(
                 batch = await collect_or_stop(collector, step)
                 if batch is None:
                     break
+                if batch.oversample_reached and not said_oversample:
+                    said_oversample = True
+                    run.say(
+                        f"step {step + 1}: dynamic sampling reached algorithm.max_oversample "
+                        f"({cfg.algorithm.max_oversample:g} x {P} groups): zero-variance groups fill the batch; "
+                        "most groups have equal rewards (too easy or too hard a task?)"
+                    )
                 if step == steps - 1:
                     rollout.cancel()  # nothing more will be trained: admit no prompt for step `steps`
                 learner_metrics = await learner.train_step(batch.groups)
@@ -218,6 +242,7 @@ async def train(
                 metrics = step_metrics(batch, learner_metrics, step_s)
                 metrics.update(
                     prompt_ids=[g.prompt_id for g in batch.groups],
+                    filtered_prompt_ids=batch.filtered_ids,
                     duplicates=batch.duplicates,
                     actor_restarts=pool.total_restarts,
                 )

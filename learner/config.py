@@ -139,6 +139,17 @@ class AlgorithmConfig(Section):
     soft_overlong: SoftOverlongConfig | None = Field(
         None, description="Ramp a penalty over the last cache_len tokens of the budget (off if empty)."
     )
+    filter_groups: Literal["none", "zero_variance"] = Field(
+        "none",
+        description="Dynamic sampling (DAPO): zero_variance drops groups whose rewards are all equal (no signal) "
+        "and keeps collecting until the batch is full.",
+    )
+    max_oversample: float = Field(
+        3.0,
+        ge=1,
+        description="With filter_groups: a step takes at most this x prompts_per_step groups; past it, "
+        "zero-variance groups fill the batch (and the run says so).",
+    )
     step_delimiter: str = Field(
         "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
     )

@@ -10,7 +10,7 @@ import torch
 
 from cluster.channel import ChannelClosed, WeightsTimeout
 from cluster.weights import FlatWeights, LocalWeightChannel
-from launch.stepping import BatchCollector, Pace
+from launch.stepping import BatchCollector, Pace, step_metrics
 from learner.group import merge_rank_metrics
 from learner.step_plan import plan_step
 from queues.bounded import LocalQueue, QueueClosed, QueueTimeout
@@ -214,3 +214,30 @@ def test_padded_logprobs_equal_each_sequence_alone(tiny_model_dir):
             c = len(s.completion_token_ids)
             torch.testing.assert_close(padded[i, :c], alone, atol=1e-5, rtol=0)
             assert torch.all(padded[i, c:] == 0) and torch.all(batch.completion_mask[i, c:] == 0)
+
+
+def test_dynamic_sampling_leaves_out_zero_variance_groups_up_to_its_limit():
+    async def go(max_filtered):
+        q = LocalQueue("results", maxsize=10)
+        rewards = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.5, 0.5], [1.0, 0.0], [0.0, 0.0]]
+        q.put_many([make_group(i, r) for i, r in enumerate(rewards)], timeout=1)
+        left_out = []
+
+        async def on_filter(group):
+            left_out.append(group.prompt_id)
+
+        async def on_drop(group):
+            raise AssertionError("nothing is stale here")
+
+        collector = BatchCollector(q, {}, None, 5, on_drop=on_drop, max_filtered=max_filtered, on_filter=on_filter)
+        return await collector.collect(2, step=0, max_staleness=0), left_out
+
+    batch, left_out = asyncio.run(go(max_filtered=2))
+    assert [g.prompt_id for g in batch.groups] == [1, 3] and left_out == [0, 2] == batch.filtered_ids
+    assert batch.zero_variance == 3 and batch.oversample_reached  # group 3 came past the limit: kept
+    batch, left_out = asyncio.run(go(max_filtered=1))
+    assert [g.prompt_id for g in batch.groups] == [1, 2] and left_out == [0]
+    batch, left_out = asyncio.run(go(max_filtered=None))  # filtering off: only counted
+    assert [g.prompt_id for g in batch.groups] == [0, 1] and batch.zero_variance == 1 and not left_out
+    metrics = step_metrics(batch, {}, 1.0)
+    assert metrics["zero_variance_frac"] == 0.5 and metrics["filtered_groups"] == 0
