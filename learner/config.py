@@ -150,6 +150,11 @@ class AlgorithmConfig(Section):
         description="With filter_groups: a step takes at most this x prompts_per_step groups; past it, "
         "zero-variance groups fill the batch (and the run says so).",
     )
+    mask_truncated: bool = Field(
+        False,
+        description="Overlong filtering: completions cut at rollout.max_tokens train no token (their rewards still "
+        "count in their group's baseline).",
+    )
     step_delimiter: str = Field(
         "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
     )

@@ -20,6 +20,7 @@ and stays there, and only per-sequence values and sums come back:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,11 @@ def sequence_rewards(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tenso
     return rewards, truncated, lengths
 
 
+def without_tokens(traj: Trajectory) -> Trajectory:
+    """The same trajectory with no token trained on (its mask all zero)."""
+    return dataclasses.replace(traj, completion_mask=np.zeros_like(traj.completion_mask))
+
+
 class LearnerGroup:
     """Drives the ranks (Ray actor handles of ``LearnerWorker``): the policy ranks ``workers``,
     and when placed separately ``critics`` (one per policy rank) and ``references`` (any number)."""
@@ -84,6 +90,8 @@ class LearnerGroup:
         """Step 1: shaped rewards and every rank's shard."""
         algo = self.algorithm
         trajs = [t for g in groups for t in g.trajectories]  # group order
+        if algo.mask_truncated:  # overlong filtering: cut completions count in their group, train no token
+            trajs = [without_tokens(t) if t.finish_reason == "length" else t for t in trajs]
         rewards, truncated, trained = sequence_rewards(trajs)
         shaped = shape_sequence_rewards(rewards, truncated, trained, algo, self.max_tokens, self.reward_stats)
         steps = algo.method.per_step_rewards

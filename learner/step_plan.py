@@ -66,7 +66,8 @@ def plan_step(
     normalisers = []
     for m in range(minibatches):
         in_step = [i for rank_plan in plan for micro in rank_plan[m] for i in micro]
-        normalisers.append(Normaliser(float(trained[in_step].sum()), float(len(in_step))))
+        # at least 1: a minibatch with no trained token (all masked) has zero loss, not 0 / 0
+        normalisers.append(Normaliser(max(float(trained[in_step].sum()), 1.0), float(len(in_step))))
     rewards_np = rewards.detach().cpu().numpy()
     order, shards = [], []
     for rank_plan in plan:

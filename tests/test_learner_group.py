@@ -138,3 +138,31 @@ def test_ranks_without_sequences_still_take_part(tiny_model_dir, overrides, sepa
     b = [make_group(0, [1.0, 0.0], completion_len=4)]
     metrics = step(fake_group(tiny_model_dir, *overrides, "rollout.group_size=2", ranks=4, separate=separate), b)
     assert metrics["tokens"] == 8 and torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_masked_truncated_completions_train_no_token_but_count_in_their_group(tiny_model_dir, aggregation):
+    def cut(groups):
+        for g in groups:
+            for t in g.trajectories[:2]:  # the first two samples of every group hit max_tokens
+                t.finish_reason = "length"
+        return groups
+
+    lengths = [len(t.completion_token_ids) for g in batches() for t in g.trajectories[2:]]
+    masked = step(
+        fake_group(tiny_model_dir, "algorithm.mask_truncated=true", f"algorithm.loss_aggregation={aggregation}"),
+        cut(batches()),
+    )
+    assert masked["tokens"] == sum(lengths)  # only the completions that ended trained
+    plain = step(fake_group(tiny_model_dir, f"algorithm.loss_aggregation={aggregation}"), cut(batches()))
+    assert plain["tokens"] > masked["tokens"]
+
+    everything_cut = [make_group(p, [1.0, 0.0, 1.0, 0.0], completion_len=4) for p in range(2)]
+    for g in everything_cut:
+        for t in g.trajectories:
+            t.finish_reason = "length"
+    nothing = step(
+        fake_group(tiny_model_dir, "algorithm.mask_truncated=true", f"algorithm.loss_aggregation={aggregation}"),
+        everything_cut,
+    )
+    assert nothing["tokens"] == 0 and nothing["loss"] == 0.0  # no NaN from empty normalisers
