@@ -42,6 +42,9 @@ class LearnerConfig(Section):
     )
     warmup_steps: int = Field(0, ge=0, description="Optimizer updates of linear learning-rate warm-up.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Decay ends at learner.lr x this.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute layer activations in the backward: much less memory, ~30% more compute."
+    )
     logprob_chunk_tokens: int = Field(
         1024,
         ge=0,

@@ -68,6 +68,13 @@ def _attention_of(model) -> str:
     return getattr(config, "_attn_implementation", "sdpa")
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward instead of keeping them (non-reentrant:
+    works with packed rows and frozen inputs)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
 class LearnerWorker:
     """A learner rank: created, asked for a rendezvous address (rank 0), then ``setup`` on all ranks."""
 
@@ -102,6 +109,8 @@ class LearnerWorker:
         models = Models()
         if "policy" in roles:
             model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+            if spec.learner.gradient_checkpointing:
+                enable_gradient_checkpointing(model)
             models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype, spec.total_updates)
         if "critic" in roles:
             critic = spec.algorithm.critic

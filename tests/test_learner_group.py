@@ -166,3 +166,16 @@ def test_masked_truncated_completions_train_no_token_but_count_in_their_group(ti
         everything_cut,
     )
     assert nothing["tokens"] == 0 and nothing["loss"] == 0.0  # no NaN from empty normalisers
+
+
+def test_gradient_checkpointing_trains_the_same_step(tiny_model_dir):
+    from learner.worker import enable_gradient_checkpointing
+
+    plain, checkpointed = fake_group(tiny_model_dir), fake_group(tiny_model_dir)
+    enable_gradient_checkpointing(checkpointed.workers[0]._target.models.policy.module)
+    assert checkpointed.workers[0]._target.models.policy.module.is_gradient_checkpointing
+    a, b = step(plain, batches()), step(checkpointed, batches())
+    assert abs(a["loss"] - b["loss"]) < 1e-6
+    pa = dict(plain.workers[0]._target.models.policy.module.named_parameters())
+    pb = dict(checkpointed.workers[0]._target.models.policy.module.named_parameters())
+    assert max(float((pa[n] - pb[n]).abs().max()) for n in pa) < 1e-6
