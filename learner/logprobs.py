@@ -43,10 +43,10 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.size(0), ctx.chunk):
             end = start + ctx.chunk
-            p = torch.exp(logits[start:end].float() - lse[start:end, None])  # [c, V] softmax
-            g = -p * grad[start:end, None]
-            g.scatter_add_(1, ids[start:end, None], grad[start:end, None])
-            grad_logits[start:end] = g.to(logits.dtype)
+            g = logits[start:end].float() - lse[start:end, None]  # one [c, V] buffer, worked in place:
+            g.exp_().mul_(-grad[start:end, None])  # -p * grad
+            g.scatter_add_(1, ids[start:end, None], grad[start:end, None])  # + 1[v = y] * grad
+            grad_logits[start:end] = g
         return grad_logits, None, None
 
 
