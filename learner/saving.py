@@ -75,8 +75,10 @@ def save_hf_model(module, named: list[tuple[str, torch.Tensor]], tokenizer_path:
     state = {name: t.detach().to("cpu").contiguous() for name, t in named}
     if getattr(module.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # the same tensor as the input embedding; written once
-    module.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
-    save_hf_files(module, tokenizer_path, directory)
+    module.save_pretrained(str(directory), state_dict=state, safe_serialization=True)  # weights + configs
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory)
 
 
 def fp32_state_dict(checkpoint: str | Path, tag: str = TAGS["policy"]) -> dict[str, torch.Tensor]:
