@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from actors.config import EngineConfig, RolloutConfig
+from actors.config import EngineConfig, RewardConfig, RolloutConfig
+from queues.messages import PromptRequest
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class ActorSpec:
     model_path: str  # Hugging Face directory or hub id
     engine: EngineConfig
     rollout: RolloutConfig
-    reward_function: str  # "path/file.py:function" or "builtin:<task>"
+    reward: RewardConfig  # the reward's parts and its workers' settings
     dtype: str  # "float32" | "bfloat16"
     seed: int  # sampling seed of this actor
     tensor_parallel: int = 1  # vLLM shards (placement decides: GPUs, or cores on CPU)
@@ -64,9 +65,12 @@ def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
     )
 
 
-def sampling_params(rollout: RolloutConfig, n: int, seed: int | None = None, stream: bool = False):
+def sampling_params(
+    rollout: RolloutConfig, n: int, seed: int | None = None, stream: bool = False, temperature: float | None = None
+):
     """``n`` samples per prompt with the sampled tokens' logprobs; ``seed`` makes them reproducible
-    per prompt; ``stream`` returns tokens as they are produced (the in-flight actor)."""
+    per prompt; ``stream`` returns tokens as they are produced (the in-flight actor); ``temperature``
+    overrides the rollout's (evaluation; 0 is greedy)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -74,12 +78,28 @@ def sampling_params(rollout: RolloutConfig, n: int, seed: int | None = None, str
         n=n,
         max_tokens=rollout.max_tokens,
         min_tokens=rollout.min_tokens,
-        temperature=rollout.temperature,
+        temperature=rollout.temperature if temperature is None else temperature,
         top_p=rollout.top_p,
         logprobs=0,  # the sampled token's logprob
         seed=seed,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE,  # vLLM's default
     )
+
+
+def engine_prompt(request: PromptRequest):
+    """What the engine is given: the driver's rendered token ids (the learner trains on exactly these),
+    or the raw prompt text of a request made without them (tests, tools)."""
+    if request.prompt_token_ids is None:
+        return request.row["prompt"]
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+
+
+def request_params(spec: ActorSpec, request: PromptRequest, seed: int | None, stream: bool = False):
+    """Sampling parameters of one request: ``group_size`` samples, or the evaluation's own count and temperature."""
+    n = request.samples or spec.rollout.group_size
+    return sampling_params(spec.rollout, n, seed=seed, stream=stream, temperature=request.temperature)
 
 
 def ready_report(spec: ActorSpec, version: int, tensor_parallel: int) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every character a built-in task or a test prompt can use; one token each.
-CHARACTERS = string.digits + string.ascii_lowercase + " +-*=:>?,.!()[]#"
+# The last seven (after "#") fill the 64-entry table: chat markup and ``\boxed{}`` answers.
+CHARACTERS = string.digits + string.ascii_lowercase + " +-*=:>?,.!()[]#<{}/\\|\n"
 MARKER = "tiny-model.json"  # written last; its presence means the directory is complete
 
 
@@ -32,7 +33,7 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel(vocab=tiny_vocab(), unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
     core.decoder = decoders.Fuse()  # join characters back without spaces
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -74,6 +75,7 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         max_positions=max_positions,
         seed=seed,
+        characters=CHARACTERS,  # a directory built with an older tokenizer is rebuilt
     )
     marker = out / MARKER
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == spec:

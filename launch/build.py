@@ -1,5 +1,4 @@
-"""Factories the training program calls: Ray, the model directory, the prompt rows, actors,
-learner ranks.
+"""Factories the training program calls: Ray, the model directory, actors, learner ranks.
 
 Each factory hands a component only its own typed config section, and takes placement from
 the plan (``launch/plan.py``, ``cluster/placement.py``).
@@ -10,15 +9,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 from pathlib import Path
-from typing import Any
 
 from cluster.placement import check_fits, local_ray_cpus, ray_options
 from launch import reaper
 from launch.config import ModelConfig, TandemConfig
 from launch.plan import actor_environment, build_plan, rank_environment
 from launch.run_dir import RunLog
-from queues.config import DataConfig
-from queues.prompts import DatasetError, read_jsonl_rows
 
 
 class StartupError(RuntimeError):
@@ -42,19 +38,6 @@ def prepare_model(model: ModelConfig) -> str:
             "like Qwen/Qwen2.5-0.5B, or set model.build_tiny=true to build the tiny test model there"
         )
     return model.path  # a hub id: vLLM and transformers resolve it
-
-
-def load_prompt_rows(data: DataConfig, seed: int) -> list[dict[str, Any]]:
-    """Rows from ``data.prompts``: a JSONL path or ``builtin:<task>`` (a task of ``actors/tasks.py``)."""
-    if data.prompts.startswith("builtin:"):
-        from actors.tasks import get_task
-
-        try:
-            task = get_task(data.prompts.removeprefix("builtin:"))
-        except KeyError as exc:
-            raise DatasetError(f"data.prompts {data.prompts!r}: {exc.args[0]}") from None
-        return task.make_rows(data.num_rows, seed)
-    return read_jsonl_rows(data.prompts)
 
 
 def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
@@ -125,7 +108,7 @@ def generation_actor(cfg: TandemConfig, model_path: str, run: RunLog, scheduling
         model_path=model_path,
         engine=cfg.engine,
         rollout=cfg.rollout,
-        reward_function=cfg.reward.function,
+        reward=cfg.reward,
         dtype=cfg.model.dtype,
         seed=cfg.run.seed + index,
         tensor_parallel=cfg.resources.actors.tensor_parallel,  # the engine shards over the actor's GPUs/cores

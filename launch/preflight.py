@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import TandemConfig
+from queues.config import DataConfig
+from queues.templates import PromptRenderer
 
 TOKENIZE_CHUNK = 4096  # rows per tokenizer call: batched (fast) without holding every row's ids at once
 
@@ -80,28 +82,33 @@ def check_context_length(max_model_len: int, model_path: str) -> None:
         )
 
 
-def prompt_lengths(model_path: str, prompts: list[str]) -> list[int] | None:
-    """Token count of each prompt as vLLM tokenises a plain prompt string (``tokenizer(prompt)``, special
-    tokens as the tokenizer adds them), or None when the tokenizer cannot be loaded (a hub id not cached)."""
+def prompt_lengths(model_path: str, rows: list[dict[str, Any]], data: DataConfig) -> list[int] | None:
+    """Token count of each row's prompt as the actors will send it (rendered by ``queues/templates.py``:
+    the chat template or the raw text, special tokens as the tokenizer adds them), or None when the
+    tokenizer cannot be loaded (a hub id not cached). A row the template cannot render raises here."""
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return None
+    renderer = PromptRenderer(tokenizer, data.chat_template, data.system_prompt)
     lengths: list[int] = []
-    for start in range(0, len(prompts), TOKENIZE_CHUNK):
-        batch = tokenizer(prompts[start : start + TOKENIZE_CHUNK], return_attention_mask=False)
-        lengths.extend(len(ids) for ids in batch["input_ids"])
+    for start in range(0, len(rows), TOKENIZE_CHUNK):
+        lengths.extend(len(ids) for ids in renderer.token_ids_many(rows[start : start + TOKENIZE_CHUNK]))
     return lengths
 
 
-def check_prompt_lengths(cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def check_prompt_lengths(
+    cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]], what: str = "data.prompts"
+) -> list[dict[str, Any]]:
     """Each prompt must leave ``rollout.max_tokens`` in ``engine.max_model_len``; with ``data.skip_long_prompts``
     the rows that do not are dropped and counted instead. Returns the rows kept."""
     max_model_len, max_tokens = cfg.engine.max_model_len, cfg.rollout.max_tokens
     limit = max_model_len - max_tokens  # the config rule keeps this >= 1
-    lengths = prompt_lengths(model_path, [row["prompt"] for row in rows])
+    if not rows:
+        return rows
+    lengths = prompt_lengths(model_path, rows, cfg.data)
     if lengths is None:
         return rows
     too_long = [i for i, n in enumerate(lengths) if n > limit]
@@ -112,17 +119,17 @@ def check_prompt_lengths(cfg: TandemConfig, model_path: str, rows: list[dict[str
         first = too_long[0]
         others = f" (and {len(too_long) - 1} more rows)" if len(too_long) > 1 else ""
         raise PreflightError(
-            f"the prompt of row {first} (0-based) of data.prompts is {lengths[first]} tokens, more than the "
+            f"the prompt of row {first} (0-based) of {what} is {lengths[first]} tokens, more than the "
             f"{budget} leave{others}; shorten it, raise engine.max_model_len, or set data.skip_long_prompts=true"
         )
     if len(too_long) == len(rows):
         raise PreflightError(
-            f"every one of the {len(rows)} prompts of data.prompts is longer than the {budget} leave, so "
+            f"every one of the {len(rows)} prompts of {what} is longer than the {budget} leave, so "
             "data.skip_long_prompts=true leaves nothing to train on; shorten them or raise engine.max_model_len"
         )
     skipped = set(too_long)
     print(
-        f"tandem: skipped {len(skipped)} of {len(rows)} prompts longer than {limit} tokens "
+        f"tandem: skipped {len(skipped)} of {len(rows)} prompts of {what} longer than {limit} tokens "
         "(data.skip_long_prompts=true)",
         file=sys.stderr,
         flush=True,

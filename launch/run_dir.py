@@ -2,7 +2,8 @@
 
 ``runs/<name>-<timestamp>/`` holds ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one line per step, with the prompt ids it trained on), ``samples.jsonl``
-(a few completions per step), ``tb/`` (TensorBoard event files), ``logs/<process>.log`` (every
+(a few completions per step), ``eval.jsonl`` (one line per evaluation round,
+``launch/evaluation.py``), ``tb/`` (TensorBoard event files), ``logs/<process>.log`` (every
 actor's and learner rank's output), ``processes.json`` (each process's pid and node),
 ``checkpoints/`` (``launch/checkpoints.py``), ``model/`` (the trained policy) and, at the end,
 ``summary.json``. ``RunLog`` also prints the live progress line.
@@ -53,8 +54,11 @@ class RunLog:
         self.logs.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "samples.jsonl"):
             _keep_steps_before(root / name, first_step)
+        # an evaluation "after step s" is kept when s steps were done by the checkpoint resumed from
+        _keep_steps_before(root / "eval.jsonl", first_step + 1 if first_step else 0)
         self._metrics = (root / "metrics.jsonl").open("a", buffering=1)
         self._samples = (root / "samples.jsonl").open("a", buffering=1)
+        self._eval = (root / "eval.jsonl").open("a", buffering=1)
         self.first_step = first_step
         self.processes: dict[str, dict[str, Any]] = {}
         self._tb = None
@@ -127,10 +131,21 @@ class RunLog:
             f"(max {metrics['staleness_max']}) | {format_seconds(elapsed)} elapsed, ETA {format_seconds(eta)}"
         )
 
+    def eval(self, step: int, metrics: dict[str, Any], line: str) -> None:
+        """Record one evaluation round, made after ``step`` steps (``eval.jsonl`` + TensorBoard), and say ``line``."""
+        self._eval.write(json.dumps({"step": step, "elapsed_s": round(time.monotonic() - self.start, 3), **metrics}))
+        self._eval.write("\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        self.say(line)
+
     def close(self, summary: dict[str, Any] | None) -> None:
         if summary is not None:
             (self.root / "summary.json").write_text(json.dumps(summary, indent=2))
         self._metrics.close()
         self._samples.close()
+        self._eval.close()
         if self._tb is not None:
             self._tb.close()

@@ -128,12 +128,14 @@ class BatchCollector:
         accept: Callable[[TrajectoryGroup], bool] = lambda group: True,
         max_filtered: int | None = None,
         on_filter: Callable[[TrajectoryGroup], Awaitable] | None = None,
+        on_eval: Callable[[TrajectoryGroup], None] = lambda group: None,
     ):
         self.queue, self.run = results_queue, run
         self.timeout, self.on_drop, self.accept = timeout, on_drop, accept
         self.actors = actors if isinstance(actors, ActorWatch) else ActorWatch(actors, run)
         # dynamic sampling: up to ``max_filtered`` zero-variance groups a step are left out (None: off)
         self.max_filtered, self.on_filter = max_filtered, on_filter
+        self.on_eval = on_eval  # an evaluation group: scored for the held-out metrics, never trained on
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
         start = time.monotonic()
@@ -157,7 +159,9 @@ class BatchCollector:
                 continue
             groups, got = got.result(), None
             for group in groups:
-                if group.prompt_id in seen or not self.accept(group):
+                if group.purpose == "eval":
+                    self.on_eval(group)
+                elif group.prompt_id in seen or not self.accept(group):
                     batch.duplicates += 1  # e.g. a dead actor's late result of a prompt generated again
                 elif step - group.oldest_version > max_staleness:
                     batch.dropped += 1  # never trained on: counted and generated again
@@ -176,6 +180,19 @@ class BatchCollector:
                 batch.staleness.update(dict(zip(ages.tolist(), counts.tolist())))
         batch.wait_s = time.monotonic() - start
         return batch
+
+    async def drain_eval(self, pending: Callable[[], bool], timeout: float) -> None:
+        """After the last step: route evaluation groups until ``pending()`` is False or ``timeout`` passes.
+        Training groups that still arrive are left untrained (their prompts stay outstanding)."""
+        deadline = time.monotonic() + timeout
+        while pending() and (left := deadline - time.monotonic()) > 0:
+            got = asyncio.ensure_future(self.queue.get_batch_async(64, timeout=min(left, 5.0)))
+            await asyncio.wait({got, *self.actors.loops}, return_when=asyncio.FIRST_COMPLETED)
+            for loop in [loop for loop in self.actors.loops if loop.done()]:
+                await self.actors.ended(loop)
+            for group in await got:
+                if group.purpose == "eval":
+                    self.on_eval(group)
 
     def _filter_out(self, batch: Batch, group: TrajectoryGroup) -> bool:
         rewards = [t.reward for t in group.trajectories]
@@ -207,6 +224,7 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "completion_len_mean": sum(len(t.completion_token_ids) for t in trajs) / n,
         "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / n,
         "reward_errors": sum(g.reward_errors for g in batch.groups),
+        **reward_part_means(trajs),
         "staleness_mean": sum(int(s) * c for s, c in batch.staleness.items()) / max(tokens, 1),
         "staleness_max": max(batch.staleness, default=0),
         "staleness_hist": hist,
@@ -220,6 +238,15 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "tokens_per_s": total_tokens / step_seconds if step_seconds > 0 else 0.0,
         **{f"learner/{k}": v for k, v in learner.items()},
     }
+
+
+def reward_part_means(trajs: list) -> dict[str, float]:
+    """``reward/<name>``: the mean raw value of each reward part over the step's completions."""
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for name, value in (t.reward_parts or {}).items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/{name}": sum(v) / len(v) for name, v in values.items()}
 
 
 def sample_records(batch: Batch, step: int, count: int) -> list[dict[str, Any]]:

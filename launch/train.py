@@ -32,6 +32,7 @@ from cluster.placement import reserve
 from launch.build import await_actors, build_generation_actors, build_learner_group, generation_actor, start_ray
 from launch.checkpoints import CheckpointError, CheckpointStore
 from launch.config import TandemConfig, parse_duration
+from launch.evaluation import Evaluator, eval_line
 from launch.health import RunHealth
 from launch.ledger import PromptLedger
 from launch.plan import build_plan
@@ -42,6 +43,7 @@ from launch.supervise import ActorPool
 from queues.bounded import build_queue
 from queues.messages import PromptRequest
 from queues.prompts import PromptStream
+from queues.templates import PromptRenderer
 
 CLOSE_TIMEOUT_S = 15.0  # a close call to a process that may be stuck or gone
 
@@ -89,7 +91,13 @@ def _rank_name(exc: BaseException, learner, plan) -> str | None:
 
 
 async def train(
-    cfg: TandemConfig, run: RunLog, rows: list[dict], model_path: str, stop: StopRequest, resume: Resume | None = None
+    cfg: TandemConfig,
+    run: RunLog,
+    rows: list[dict],
+    model_path: str,
+    stop: StopRequest,
+    resume: Resume | None = None,
+    eval_rows: list[dict] | None = None,
 ) -> Progress:
     import ray
 
@@ -103,6 +111,7 @@ async def train(
     state = resume.state if resume else {}
     first = int(state.get("step", 0))
     progress = Progress(done=first, checkpoint=resume.path if resume else None)
+    renderer = PromptRenderer.load(model_path, cfg.data.chat_template, cfg.data.system_prompt)
     stream = PromptStream(rows, cfg.run.seed, cfg.data.shuffle)
     ledger = PromptLedger.restore(stream, state["ledger"]) if resume else PromptLedger(stream)
     store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
@@ -129,6 +138,14 @@ async def train(
     channels = await learner.open_weight_channel(cfg.weights, names, cfg.run.startup_timeout_s)
     timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
     pace = Pace(prompts_per_step=P, max_staleness=k, start_version=first)
+    evaluator = Evaluator(
+        eval_rows or [],
+        cfg.eval,
+        put=lambda requests: prompt_queue.put_many_async(requests, timeout=cfg.run.data_timeout_s),
+        render=renderer.token_ids,
+        record=lambda step, metrics: run.eval(step, metrics, eval_line(step, metrics)),
+        chunk=P,
+    )
 
     async def start_actor(index: int):
         actor = generation_actor(cfg, model_path, run, scheduling, index)
@@ -158,7 +175,9 @@ async def train(
             await pace.admit(slot)  # waits until this prompt can be trained on within k versions
             slot += 1
             prompt_id, row = ledger.take()
-            request = PromptRequest(prompt_id=prompt_id, row=row, min_version=pace.version)
+            request = PromptRequest(
+                prompt_id=prompt_id, row=row, min_version=pace.version, prompt_token_ids=renderer.token_ids(row)
+            )
             await prompt_queue.put_many_async([request], timeout=cfg.run.data_timeout_s)
 
     async def on_filter(group) -> None:
@@ -212,11 +231,15 @@ async def train(
             accept=accept,
             max_filtered=int((cfg.algorithm.max_oversample - 1) * P) if filtering else None,
             on_filter=on_filter,
+            on_eval=evaluator.add,
         )
         said_oversample = False
         step_s = 0.0
+        if first == 0 and evaluator.due(0, steps):
+            evaluator.start(0, version=0)  # the starting point, generated beside the first batches
         try:
             for step in range(first, steps):
+                evaluator.check_sending()
                 if stop.requested or stop.time_is_short(step_s, progress.checkpoint_s):
                     break
                 t0 = time.monotonic()
@@ -249,10 +272,15 @@ async def train(
                 run.step(step, metrics)
                 run.samples(sample_records(batch, step, cfg.run.log_samples))
                 progress.done = step + 1
+                if evaluator.due(progress.done, steps):
+                    evaluator.start(progress.done, version=progress.done)
                 every = cfg.run.checkpoint_every
                 if every and progress.done % every == 0 and progress.done < steps:
                     await checkpoint()
+            if evaluator.pending:  # the rounds still out (the last one at least) come back before the end
+                await collector.drain_eval(lambda: evaluator.pending, cfg.run.data_timeout_s)
         finally:
+            evaluator.give_up()
             collector.close()
 
     def checkpoint_due() -> bool:
@@ -319,6 +347,7 @@ async def train(
         "placement": run.placement,
         "actor_restarts": dict(pool.restarts),
         "nonfinite_updates": health.nonfinite_total,
+        "eval": evaluator.results,
     }
     return progress
 

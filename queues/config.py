@@ -18,8 +18,21 @@ class Section(BaseModel):
 
 class DataConfig(Section):
     prompts: str = Field(
-        description='JSONL file of {"prompt": ..., "answer": ...} rows (other fields are passed to the '
-        "reward function), or 'builtin:<task>' for a built-in task."
+        description="Prompt rows: a .jsonl, .json, .parquet, .csv or .arrow file, a dataset directory, a Hugging "
+        "Face dataset name, or 'builtin:<task>'. Every column reaches the reward function with the row."
+    )
+    split: str = Field("train", description="Split of a dataset directory or Hugging Face dataset.")
+    subset: str | None = Field(None, description="Configuration (subset) of a Hugging Face dataset, e.g. 'main'.")
+    prompt_field: str = Field("prompt", description="Column holding the prompt text (e.g. 'question' for GSM8K).")
+    answer_field: str = Field("answer", description="Column holding the reference answer the reward checks.")
+    messages_field: str = Field(
+        "messages", description="Column holding a chat conversation ([{role, content}, ...]), used instead of a prompt."
+    )
+    system_prompt: str | None = Field(None, description="System message put before every prompt.")
+    chat_template: str = Field(
+        "auto",
+        description="auto: render prompts with the tokenizer's chat template when it has one; none: raw prompt "
+        "text; or a path to a .jinja template.",
     )
     num_rows: int = Field(2048, gt=0, description="Rows to generate for a built-in task.")
     shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded by run.seed).")

@@ -19,9 +19,13 @@ import numpy as np
 class PromptRequest:
     """One prompt to be sampled ``group_size`` times."""
 
-    prompt_id: int  # unique within a run, in dispatch order
+    prompt_id: int  # unique within a run, in dispatch order (evaluation prompts: negative)
     row: dict[str, Any]  # the dataset row: "prompt", "answer" and any extra fields
     min_version: int  # lowest policy version allowed to generate it (admission control)
+    prompt_token_ids: list[int] | None = None  # the rendered prompt (chat template applied); None: row["prompt"]
+    purpose: str = "train"  # "train" | "eval": evaluation groups skip the training batch
+    samples: int | None = None  # completions to sample (None: rollout.group_size)
+    temperature: float | None = None  # sampling temperature (None: rollout.temperature; 0: greedy)
 
 
 @dataclass
@@ -33,11 +37,12 @@ class Trajectory:
     completion_mask: np.ndarray  # uint8 [C] 1 where the learner trains on the token, else 0
     sampler_logprobs: np.ndarray  # float32 [C] log pi_sampler(token) for every completion token
     policy_versions: np.ndarray  # int32 [C] weight version that produced each completion token
-    reward: float  # task reward (0.0 when the reward function failed)
+    reward: float  # task reward: sum of weight x part over the reward's parts (a failed part counts 0.0)
     finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_tokens)
     completion_text: str  # the decoded completion, special tokens removed
     step_rewards: np.ndarray | None = None  # float32 [S] process supervision: one reward per reasoning step
     step_end_tokens: np.ndarray | None = None  # int32 [S] completion index of the token that ends each step
+    reward_parts: dict[str, float] | None = None  # raw value of each reward part by name (reward = weighted sum)
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +61,7 @@ class TrajectoryGroup:
     first_reward_error: str | None = None  # "ExceptionType: message" of the first one
     generate_seconds: float = 0.0  # wall time of the generate call that produced it
     weight_wait_s: float = 0.0  # time its actor spent waiting for/loading weights since its previous group
+    purpose: str = "train"  # copied from its request: "eval" groups are scored, never trained on
 
     @property
     def oldest_version(self) -> int:

@@ -52,11 +52,12 @@ def test_missing_model_path(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # nothing started, no empty run directory
 
 
-def test_jsonl_row_without_prompt(tmp_path, capsys):
-    rows = [{"prompt": "1>", "answer": "1"}, {"question": "2>", "answer": "2"}]
+def test_rows_without_a_prompt_are_an_error_when_most_are(tmp_path, capsys):
+    rows = [{"prompt": "1>", "answer": "1"}, {"question": "2>", "answer": "2"}, {"question": "3>", "answer": "3"}]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     err = _one_line_error(capsys, ["train", "--config", _config(tmp_path)])
-    assert "line 2 has no 'prompt' field" in err
+    assert "only 1 of 3 rows are usable" in err and "2 rows without a 'prompt' field (rows 1, 2)" in err
+    assert "its columns are: prompt, answer, question" in err and "data.prompt_field" in err
 
 
 def test_jsonl_broken_json_names_the_line(tmp_path):

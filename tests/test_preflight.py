@@ -12,6 +12,7 @@ import pytest
 from actors.rewards import RewardSpecError, check_reward_function
 from launch.config import ConfigError, load_config
 from launch.preflight import PreflightError, preflight, prompt_lengths
+from queues.config import DataConfig
 from queues.prompts import DatasetError, read_jsonl_rows
 
 BASE = ["model.path=m", "data.prompts=p.jsonl", "reward.function=builtin:successor"]
@@ -81,7 +82,7 @@ def test_special_tokens_the_tokenizer_adds_count_towards_the_prompt(tiny_model_d
         single="<bos> $A", special_tokens=[("<bos>", tiny_vocab()["<bos>"])]
     )
     tokenizer.save_pretrained(model)
-    assert prompt_lengths(str(model), ["ab", "a" * 48]) == [3, 49]
+    assert prompt_lengths(str(model), [{"prompt": "ab"}, {"prompt": "a" * 48}], DataConfig(prompts="x")) == [3, 49]
     cfg = config(tmp_path, "engine.max_model_len=64", "rollout.max_tokens=16")
     with pytest.raises(PreflightError, match="row 0 .* is 49 tokens"):
         preflight(cfg, str(model), rows_of(48))
@@ -93,7 +94,7 @@ def test_skip_long_prompts_drops_and_counts_them(tiny_model_dir, tmp_path, capsy
     kept = preflight(cfg, tiny_model_dir, rows)
     assert kept == [rows[1], rows[3], rows[4]]  # the rows that fit, in their order
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "skipped 2 of 5 prompts longer than 48 tokens" in err
+    assert err.count("\n") == 1 and "skipped 2 of 5 prompts of data.prompts longer than 48 tokens" in err
     # Nothing skipped: nothing printed.
     assert preflight(cfg, tiny_model_dir, rows_of(5)) == rows_of(5)
     assert capsys.readouterr().err == ""
@@ -112,7 +113,9 @@ def test_many_prompts_are_counted_in_batches(tiny_model_dir, tmp_path):
     from launch import preflight as module
 
     prompts = ["a" * (i % 50 + 1) for i in range(module.TOKENIZE_CHUNK + 7)]
-    assert prompt_lengths(tiny_model_dir, prompts) == [len(p) for p in prompts]
+    assert prompt_lengths(tiny_model_dir, [{"prompt": p} for p in prompts], DataConfig(prompts="x")) == [
+        len(p) for p in prompts
+    ]
 
 
 def test_an_output_dir_that_cannot_be_written_is_an_error(tiny_model_dir, tmp_path):

@@ -1,0 +1,58 @@
+"""The run's prompt rows: the training set and the held-out evaluation set, read before anything starts.
+
+``data.prompts`` is a built-in task (``actors/tasks.py``) or anything ``queues/sources.py`` reads;
+``eval.prompts`` takes the same forms, with the same column mapping, or ``eval.fraction`` holds a
+seeded share of the training rows out. Rows dropped as unusable are counted and named here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from launch.config import TandemConfig
+from queues.config import DataConfig
+from queues.prompts import DatasetError
+from queues.sources import Fields, read_rows, split_holdout
+
+Rows = list[dict[str, Any]]
+
+
+def fields_of(data: DataConfig) -> Fields:
+    return Fields(prompt=data.prompt_field, answer=data.answer_field, messages=data.messages_field)
+
+
+def read_source(
+    source: str, data: DataConfig, seed: int, split: str, subset: str | None, what: str, say: Callable[[str], None]
+) -> Rows:
+    """Rows of a ``builtin:<task>`` or of a file / directory / dataset name."""
+    if source.startswith("builtin:"):
+        from actors.tasks import get_task
+
+        try:
+            task = get_task(source.removeprefix("builtin:"))
+        except KeyError as exc:
+            raise DatasetError(f"{what} {source!r}: {exc.args[0]}") from None
+        return task.make_rows(data.num_rows, seed)
+    return read_rows(source, fields_of(data), split, subset, what, say).rows
+
+
+def load_prompt_rows(data: DataConfig, seed: int, say: Callable[[str], None] = lambda line: None) -> Rows:
+    """The rows of ``data.prompts``."""
+    return read_source(data.prompts, data, seed, data.split, data.subset, "data.prompts", say)
+
+
+def load_run_rows(cfg: TandemConfig, say: Callable[[str], None]) -> tuple[Rows, Rows]:
+    """``(train rows, eval rows)``; the eval rows are empty when there is no held-out set."""
+    rows = load_prompt_rows(cfg.data, cfg.run.seed, say)
+    ev = cfg.eval
+    if ev.prompts:
+        # a built-in eval task draws its rows from another seed: prompts not generated for training
+        held = read_source(
+            ev.prompts, cfg.data, cfg.run.seed + 1, ev.split, ev.subset or cfg.data.subset, "eval.prompts", say
+        )
+    else:
+        rows, held = split_holdout(rows, ev.fraction, cfg.run.seed)
+    if ev.max_prompts is not None:
+        held = held[: ev.max_prompts]
+    return rows, held
