@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from learner.algorithms import AGGREGATIONS, KL_ESTIMATORS
 from learner.algorithms.importance import LEVELS as TIS_LEVELS
 from learner.algorithms.importance import MODES as TIS_MODES
+from learner.attention import CHOICES as ATTENTION_CHOICES
 from learner.methods import METHODS
 from learner.schedule import SCHEDULES
 from queues.config import Section
@@ -34,8 +35,13 @@ class LearnerConfig(Section):
     pack_row_tokens: int | None = Field(
         None,
         ge=0,
-        description="Row length inside a micro-batch: empty = the longest sequence (dense attention: CPU, sdpa), "
-        "0 = one row of token_budget (a varlen attention kernel), or a number of tokens.",
+        description="Row length inside a micro-batch with a dense mask (sdpa, eager): empty = the longest "
+        "sequence, 0 = one row of token_budget, or a number of tokens. A varlen kernel always takes one row.",
+    )
+    attention: Literal[ATTENTION_CHOICES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="Attention kernel of the learner's models: auto = flash_attention_2 (varlen: no [L, L] mask) "
+        "on a CUDA GPU with flash_attn installed and model.dtype bfloat16, else sdpa with a dense block mask.",
     )
     lr_schedule: Literal[SCHEDULES] = Field(  # type: ignore[valid-type]
         "constant", description="After warm-up: constant, linear or cosine decay over the run's updates."

@@ -27,19 +27,22 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1)
 
 
-def build_value_model(path: str, init: str, seed: int) -> ValueModel:
+def build_value_model(path: str, init: str, seed: int, attn_implementation: str | None = None) -> ValueModel:
+    """The value model of ``init`` from ``path``; ``attn_implementation`` as for ``from_pretrained``
+    (None: transformers' default), the policy's (``learner/attention.py``)."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(path)
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if init == "fresh":
-        model = ValueModel(AutoModel.from_config(config, dtype=torch.float32), config.hidden_size)
+        model = ValueModel(AutoModel.from_config(config, dtype=torch.float32, **attn), config.hidden_size)
     elif init == "policy":
-        model = ValueModel(AutoModel.from_pretrained(path, dtype=torch.float32), config.hidden_size)
+        model = ValueModel(AutoModel.from_pretrained(path, dtype=torch.float32, **attn), config.hidden_size)
         nn.init.zeros_(model.value_head.weight)  # start at V = 0: no made-up baseline on step 0
         nn.init.zeros_(model.value_head.bias)
     elif init == "reward_model":
-        rm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        rm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, **attn)
         backbone = getattr(rm, rm.base_model_prefix)
         model = ValueModel(backbone, config.hidden_size)
         with torch.no_grad():

@@ -25,6 +25,7 @@ from cluster.channel import WeightPublisher, WeightReceiver, open_weight_publish
 from cluster.config import WeightsConfig
 from cluster.logs import redirect_output
 from learner import saving
+from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
 from learner.rank import Layout, Models, RankStep
@@ -61,11 +62,18 @@ def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
     }
 
 
-def _attention_of(model) -> str:
-    """The attention implementation of a policy engine, a critic engine or a plain reference model."""
-    module = getattr(model, "module", model)  # a DeepSpeed engine wraps its module
-    config = getattr(module, "config", None) or getattr(getattr(module, "backbone", None), "config", None)
-    return getattr(config, "_attn_implementation", "sdpa")
+def packing_layout(attention: Attention, learner: LearnerConfig, dtype: str, pad_id: int, device) -> Layout:
+    """How a rank packs for ``attention``: varlen kernels get one row per micro-batch and no mask
+    (the sequences are found from the position ids); sdpa a boolean block mask (a quarter of a
+    float mask's memory); eager an additive one in the compute dtype, which it adds to the scores."""
+    import torch
+
+    if attention.varlen:
+        mask_dtype, row_tokens = None, 0
+    else:
+        float_mask = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        mask_dtype, row_tokens = (torch.bool if attention.mask == "bool" else float_mask), learner.pack_row_tokens
+    return Layout(pad_id, device, mask_dtype, row_tokens, logprob_chunk=learner.logprob_chunk_tokens)
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -97,6 +105,21 @@ class LearnerWorker:
     def setup(self, master_addr: str, master_port: int, spec: RankSpec) -> dict[str, Any]:
         """Join the process group and build this process's models (all ranks of a group call it
         together; a reference-only process joins no group)."""
+        import ray
+        import torch
+
+        cuda = torch.cuda.is_available()
+        # chosen before joining the group: a forced kernel that cannot run here fails at once, in one line
+        attention = select_attention(spec.learner.attention, cuda, cuda and flash_attn_importable(), spec.dtype)
+        if "policy" in spec.roles or "critic" in spec.roles:
+            self._init_distributed(master_addr, master_port, cuda, spec.learner.collective_timeout_s)
+        self.build(spec, attention)
+        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    def build(self, spec: RankSpec, attention: Attention) -> None:
+        """This process's models (loaded with ``attention``'s kernel), packing layout and ``RankStep``.
+        Needs the process group when the process trains; needs no Ray (``bench/learner_memory.py``
+        calls it in-process)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,45 +127,34 @@ class LearnerWorker:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         roles = tuple(spec.roles)
-        if "policy" in roles or "critic" in roles:
-            self._init_distributed(master_addr, master_port, cuda, spec.learner.collective_timeout_s)
+        attn = {"attn_implementation": attention.implementation}
         models = Models()
         if "policy" in roles:
-            model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32, **attn)
             if spec.learner.gradient_checkpointing:
                 enable_gradient_checkpointing(model)
             models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype, spec.total_updates)
         if "critic" in roles:
             critic = spec.algorithm.critic
-            value_model = build_value_model(critic.path or spec.model_path, critic.init, spec.seed)
+            value_model = build_value_model(critic.path or spec.model_path, critic.init, spec.seed, **attn)
             models.critic = self._engine(value_model, spec.learner, critic.lr, spec.dtype, spec.total_updates)
         if "reference" in roles:
             ref_path = spec.algorithm.kl.reference_path or spec.model_path
             dt = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
-            models.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt).to(device).eval()
+            models.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dt, **attn).to(device).eval()
             models.reference.requires_grad_(False)
         self.zero_stage = spec.learner.zero_stage
         self.policy, self.critic = models.policy, models.critic
         self.model_path = spec.model_path
-        # sdpa takes a boolean block mask (a quarter of a float mask's memory); eager adds it to the scores.
-        attention = _attention_of(next(m for m in (models.policy, models.critic, models.reference) if m is not None))
-        float_mask = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
-        layout = Layout(
-            pad_id=AutoTokenizer.from_pretrained(spec.model_path).pad_token_id or 0,
-            device=device,
-            mask_dtype=torch.bool if attention == "sdpa" else float_mask,
-            row_tokens=spec.learner.pack_row_tokens,
-            logprob_chunk=spec.learner.logprob_chunk_tokens,
-        )
+        pad_id = AutoTokenizer.from_pretrained(spec.model_path).pad_token_id or 0
+        layout = packing_layout(attention, spec.learner, spec.dtype, pad_id, device)
         self.step = RankStep(models, spec.algorithm, layout, spec.max_tokens, self.world_size)
         print(
             f"[{'learner' if models.policy else roles[0]} {self.rank}/{self.world_size}] ready: "
-            f"{'+'.join(roles)}, {spec.algorithm.name}, ZeRO-{self.zero_stage}, {spec.dtype}",
+            f"{'+'.join(roles)}, {spec.algorithm.name}, ZeRO-{self.zero_stage}, {spec.dtype}, "
+            f"{attention.implementation} attention ({attention.mask} mask)",
             flush=True,
         )
-        import ray
-
-        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def _init_distributed(self, master_addr: str, master_port: int, cuda: bool, timeout_s: float) -> None:
         os.environ.update(
