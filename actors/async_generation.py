@@ -19,9 +19,9 @@ import uuid
 from typing import Any
 
 from actors.policy_clock import PolicyClock
-from actors.rewards import load_reward_function
+from actors.reward_scorer import RewardScorer
 from actors.scoring import GroupBuilder, Sample
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, ready_report, sampling_params
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, ready_report, sampling_params
 from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
 from cluster.logs import redirect_output
 from queues.bounded import QueueClosed
@@ -52,9 +52,11 @@ class AsyncGenerationActor:
 
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.spec)))
             tokenizer = self.engine.tokenizer
+            scorer = RewardScorer(self.spec.reward, steps=self.spec.step_delimiter is not None)
+            await asyncio.to_thread(scorer.wait_ready)  # the reward workers load off the event loop
             self.builder = GroupBuilder(
                 self.spec.name,
-                load_reward_function(self.spec.reward_function),
+                scorer,
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 self.spec.step_delimiter,
             )
@@ -113,13 +115,13 @@ class AsyncGenerationActor:
             await self.load_weights(named, version)
 
     # --- generation ----------------------------------------------------------------
-    async def _sample(self, prompt: str) -> Sample:
+    async def _sample(self, request: PromptRequest) -> Sample:
         # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
         # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
         # for a request that is being recomputed, which is what a weight swap does.
-        params = sampling_params(self.spec.rollout, 1, seed=None, stream=True)
+        params = sampling_params(self.spec.rollout, 1, seed=None, stream=True, temperature=request.temperature)
         ids, logprobs, versions, prompt_ids, finish = [], [], [], None, "stop"
-        async for out in self.engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+        async for out in self.engine.generate(engine_prompt(request), params, request_id=uuid.uuid4().hex):
             prompt_ids = prompt_ids or list(out.prompt_token_ids)
             delta = out.outputs[0]
             new = list(delta.token_ids)
@@ -133,9 +135,10 @@ class AsyncGenerationActor:
 
     async def generate_group(self, request: PromptRequest) -> TrajectoryGroup:
         start = time.monotonic()
-        G = self.spec.rollout.group_size
-        samples = await asyncio.gather(*[self._sample(request.row["prompt"]) for _ in range(G)])
-        return self.builder.group(request, list(samples), time.monotonic() - start, self.policy.take_wait())
+        n = request.samples or self.spec.rollout.group_size
+        samples = await asyncio.gather(*[self._sample(request) for _ in range(n)])
+        elapsed, wait = time.monotonic() - start, self.policy.take_wait()
+        return await self.builder.group_async(request, list(samples), elapsed, wait)  # scored in the workers
 
     async def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams
@@ -208,6 +211,7 @@ class AsyncGenerationActor:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)  # their requests end before the engine does
             self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
+            self.builder.close()  # and the reward workers
         return {"name": self.spec.name, "groups": done_groups, "weight_loads": self.policy.loads}
 
     def stats(self) -> dict[str, float]:

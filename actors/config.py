@@ -3,24 +3,90 @@ and the reward function (``reward``)."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from queues.config import Section
 
+DEFAULT_FORMAT_PATTERN = r"\s*<think>.+?</think>\s*\S.*"
+
+
+class RewardFunctionConfig(Section):
+    function: str = Field(description="One part of the reward: 'path/to/file.py:function_name' or 'builtin:<name>'.")
+    weight: float = Field(1.0, description="Weight of this part in the reward (reward = sum of weight x part).")
+    name: str | None = Field(
+        None,
+        description="Name of the part in the step metrics (reward/<name>); default: the function's name "
+        "('builtin:math' -> math, 'file.py:fn' -> fn).",
+    )
+
+    @property
+    def part_name(self) -> str:
+        return self.name or self.function.rpartition(":")[2] or self.function
+
 
 class RewardConfig(Section):
-    function: str = Field(
+    function: str | None = Field(
+        None,
         description="Reward function as 'path/to/file.py:function_name' (called as fn(prompt, completion, row) "
-        "-> float), or 'builtin:<task>'."
+        "-> float, or fn(prompts, completions, rows) -> list[float] when it has batched = True), or "
+        "'builtin:<name>' (math, format, or a built-in task). Set this or reward.functions.",
+    )
+    functions: list[RewardFunctionConfig] | None = Field(
+        None,
+        description="A weighted sum of reward functions, [{function, weight, name}, ...]; each part is logged on "
+        "its own as reward/<name>. Set this or reward.function.",
+    )
+    format_pattern: str = Field(
+        DEFAULT_FORMAT_PATTERN,
+        description="builtin:format's regular expression (Python, DOTALL): 1.0 when it matches the whole "
+        "completion, else 0.0. Default: a <think>...</think> block, then a non-empty answer.",
+    )
+    workers: int = Field(
+        1, gt=0, description="Reward worker processes per generation actor; rewards run there, off the engine."
+    )
+    timeout_s: float = Field(
+        30,
+        gt=0,
+        description="Deadline of one reward call (the G completions of one prompt); a call past it is abandoned "
+        "(its worker replaced), its samples score 0 and the error is counted.",
     )
     import_timeout_s: float = Field(
-        60, gt=0, description="Longest time the reward file may take to import when checked before the run starts."
+        60,
+        gt=0,
+        description="Longest time the reward file may take to import when checked before the run starts, and in "
+        "a reward worker as it starts.",
     )
     max_error_steps: int = Field(
         3, gt=0, description="Steps in a row in which every reward call failed before the run stops (it cannot learn)."
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if (self.function is None) == (self.functions is None):
+            raise ValueError(
+                "set exactly one of reward.function (one function) or reward.functions (a weighted sum: "
+                "[{function, weight}, ...])"
+            )
+        if self.functions is not None:
+            if not self.functions:
+                raise ValueError("reward.functions is empty; list at least one {function, weight}")
+            names = [p.part_name for p in self.functions]
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ValueError(f"reward.functions has two parts named {repeated[0]!r}; give them distinct 'name's")
+        try:
+            re.compile(self.format_pattern)
+        except re.error as exc:
+            raise ValueError(f"reward.format_pattern is not a valid regular expression: {exc}") from None
+        return self
+
+    @property
+    def parts(self) -> list[RewardFunctionConfig]:
+        """The reward's parts: ``functions``, or ``function`` as one part of weight 1."""
+        return list(self.functions) if self.functions is not None else [RewardFunctionConfig(function=self.function)]
 
 
 class RolloutConfig(Section):

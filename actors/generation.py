@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from actors.policy_clock import PolicyClock
-from actors.rewards import load_reward_function
+from actors.reward_scorer import RewardScorer
 from actors.scoring import GroupBuilder, Sample
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, ready_report, sampling_params
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, ready_report, request_params
 from cluster.channel import WeightReceiver
 from cluster.logs import redirect_output
 from queues.bounded import QueueClosed
@@ -39,11 +39,10 @@ class GenerationActor:
             engine = LLM(**engine_kwargs(spec))
         self.llm = engine
         tokenizer = self.llm.get_tokenizer()
+        scorer = RewardScorer(spec.reward, steps=spec.step_delimiter is not None)  # its worker processes
+        scorer.wait_ready()  # a reward that cannot load in a worker fails the actor's start, naming it
         self.builder = GroupBuilder(
-            spec.name,
-            load_reward_function(spec.reward_function),
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            spec.step_delimiter,
+            spec.name, scorer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), spec.step_delimiter
         )
         self.policy = PolicyClock()
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
@@ -77,17 +76,13 @@ class GenerationActor:
     def generate(self, requests: list[PromptRequest]) -> list[TrajectoryGroup]:
         """Sample ``group_size`` completions per request, score them, return one group each."""
         start = time.monotonic()
-        G = self.spec.rollout.group_size
-        prompts = [r.row["prompt"] for r in requests]
+        prompts = [engine_prompt(r) for r in requests]
         seed = self.spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
-        params = [sampling_params(self.spec.rollout, G, seed=seed + r.prompt_id) for r in requests]
+        params = [request_params(self.spec, r, seed=seed + r.prompt_id) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - start
         waits = [self.policy.take_wait()] + [0.0] * (len(requests) - 1)  # the call's weight time, reported once
-        return [
-            self.builder.group(req, self._samples(out), elapsed, wait)
-            for req, out, wait in zip(requests, outputs, waits, strict=True)
-        ]
+        return self.builder.groups(requests, [self._samples(out) for out in outputs], elapsed, waits)
 
     def _samples(self, output) -> list[Sample]:
         samples = []
@@ -132,6 +127,8 @@ class GenerationActor:
                 groups_done += len(groups)
         except QueueClosed:
             pass  # the run is over
+        finally:
+            self.builder.close()  # the reward workers end with the loop
         return {"name": self.spec.name, "groups": groups_done, "weight_loads": self.policy.loads}
 
     def stats(self) -> dict[str, float]:

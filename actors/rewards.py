@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from actors.builtin_rewards import BUILTIN_REWARDS
+from actors.config import RewardConfig
+
 RewardFn = Callable[[str, str, dict], float]
 
 
@@ -28,15 +31,21 @@ class RewardSpecError(ValueError):
     """``reward.function`` does not name a loadable function."""
 
 
-def load_reward_function(spec: str) -> RewardFn:
-    """Resolve ``'path/to/file.py:function_name'`` or ``'builtin:<task>'`` to a callable."""
+def load_reward_function(spec: str, cfg: RewardConfig | None = None) -> RewardFn:
+    """Resolve ``'path/to/file.py:function_name'`` or ``'builtin:<name>'`` to a callable. A builtin is a
+    reward of ``actors/builtin_rewards.py`` (built from ``cfg``, the reward section) or a data task's."""
     if spec.startswith("builtin:"):
-        from actors.tasks import get_task
+        name = spec.removeprefix("builtin:")
+        if name in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[name](cfg or RewardConfig(function=spec))
+        from actors.tasks import BUILTIN_TASKS, get_task
 
-        try:
-            return get_task(spec.removeprefix("builtin:")).reward
-        except KeyError as exc:
-            raise RewardSpecError(f"reward.function {spec!r}: {exc.args[0]}") from None
+        if name in BUILTIN_TASKS:
+            return get_task(name).reward
+        raise RewardSpecError(
+            f"reward.function {spec!r}: unknown built-in task {name!r}; built-in rewards: "
+            f"{', '.join(sorted(BUILTIN_REWARDS))}; tasks: {', '.join(sorted(BUILTIN_TASKS))}"
+        )
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
         raise RewardSpecError(f"reward.function {spec!r} must be 'path/to/file.py:function_name' or 'builtin:<task>'")
@@ -114,6 +123,12 @@ def check_reward_function(spec: str, timeout_s: float) -> None:
     )
 
 
+def check_rewards(cfg: RewardConfig) -> None:
+    """``check_reward_function`` on every part of the reward."""
+    for part in cfg.parts:
+        check_reward_function(part.function, cfg.import_timeout_s)
+
+
 def _kill_group(child: subprocess.Popen) -> None:
     try:
         os.killpg(child.pid, signal.SIGKILL)
@@ -139,9 +154,18 @@ def score_steps(
     """Like ``score`` but a list of step rewards is allowed: ``(sum, steps, None)``."""
     try:
         value = fn(prompt, completion, row)
+    except Exception as exc:  # a user's function may raise anything; the run goes on
+        return 0.0, None, f"{type(exc).__name__}: {exc}"
+    return as_reward(value)
+
+
+def as_reward(value: Any) -> tuple[float, list[float] | None, str | None]:
+    """A reward function's return value checked: ``(reward, steps, None)`` for a finite float or a list
+    of finite floats (steps; reward is their sum), else ``(0.0, None, "ValueError: ...")``."""
+    try:
         steps = [float(v) for v in value] if isinstance(value, (list, tuple)) else None
         reward = sum(steps) if steps is not None else float(value)
-    except Exception as exc:  # a user's function may raise anything; the run goes on
+    except Exception as exc:  # not a number: e.g. None or a string
         return 0.0, None, f"{type(exc).__name__}: {exc}"
     if not math.isfinite(reward) or (steps is not None and not all(math.isfinite(v) for v in steps)):
         return 0.0, None, f"ValueError: reward function returned {value!r}, not finite numbers"

@@ -1,9 +1,9 @@
 """Turning sampled completions into scored ``TrajectoryGroup``s (shared by both actors).
 
 A ``Sample`` is one completion as the engine produced it; ``GroupBuilder`` scores the
-G samples of a prompt with the reward function (per-step rewards for process
-supervision are placed on the tokens that end their steps) and packs them into the
-typed message the results queue carries.
+G samples of a prompt with one call to the reward workers (``actors/reward_scorer.py``;
+per-step rewards for process supervision are placed on the tokens that end their steps)
+and packs them into the typed message the results queue carries.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.rewards import RewardFn, score, score_steps, step_end_tokens
+from actors.reward_scorer import RewardScorer, Scored
+from actors.rewards import step_end_tokens
 from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
 
 
@@ -28,24 +29,53 @@ class Sample:
 
 
 class GroupBuilder:
+    """Builds the scored groups of an actor; ``scorer`` computes the rewards (in its worker processes)."""
+
     def __init__(
         self,
         actor_name: str,
-        reward_fn: RewardFn,
+        scorer: RewardScorer,
         decode: Callable[[list[int]], str],
         step_delimiter: str | None = None,
     ):
-        self.actor_name, self.reward_fn, self.decode = actor_name, reward_fn, decode
+        self.actor_name, self.scorer, self.decode = actor_name, scorer, decode
         self.step_delimiter = step_delimiter
 
     def group(
         self, request: PromptRequest, samples: list[Sample], elapsed: float, weight_wait_s: float = 0.0
     ) -> TrajectoryGroup:
-        """The scored group of ``request``; ``weight_wait_s``: the actor's weight time since its
+        """The scored group of ``request`` (blocking while its rewards are computed)."""
+        return self.groups([request], [samples], elapsed, [weight_wait_s])[0]
+
+    def groups(
+        self, requests: list[PromptRequest], samples: list[list[Sample]], elapsed: float, waits: list[float]
+    ) -> list[TrajectoryGroup]:
+        """The scored group of each request (one reward call per group, spread over the workers)."""
+        scores = self.scorer.score_groups([_call(r, s) for r, s in zip(requests, samples, strict=True)])
+        return [
+            self.build(*args, elapsed, wait) for args, wait in zip(zip(requests, samples, scores), waits, strict=True)
+        ]
+
+    async def group_async(
+        self, request: PromptRequest, samples: list[Sample], elapsed: float, weight_wait_s: float = 0.0
+    ) -> TrajectoryGroup:
+        """The scored group of ``request``, awaiting its rewards without blocking the event loop."""
+        scores = await self.scorer.score_group_async(*_call(request, samples))
+        return self.build(request, samples, scores, elapsed, weight_wait_s)
+
+    def build(
+        self,
+        request: PromptRequest,
+        samples: list[Sample],
+        scores: list[Scored],
+        elapsed: float,
+        weight_wait_s: float = 0.0,
+    ) -> TrajectoryGroup:
+        """The group of ``request`` with its rewards; ``weight_wait_s``: the actor's weight time since its
         previous group (it rides to the learner's step metrics)."""
         trajectories, errors, first_error = [], 0, None
-        for s in samples:
-            reward, steps, ends, error = self.score(request, s.text, s.token_ids)
+        for s, scored in zip(samples, scores, strict=True):
+            reward, steps, ends, error = self._steps(scored, s.token_ids)
             if error is not None:
                 errors += 1
                 first_error = first_error or error
@@ -61,6 +91,7 @@ class GroupBuilder:
                     completion_text=s.text,
                     step_rewards=None if steps is None else np.asarray(steps, dtype=np.float32),
                     step_end_tokens=None if ends is None else np.asarray(ends, dtype=np.int32),
+                    reward_parts=scored.parts,
                 )
             )
         if first_error:
@@ -76,20 +107,28 @@ class GroupBuilder:
             first_reward_error=first_error,
             generate_seconds=elapsed,
             weight_wait_s=weight_wait_s,
+            purpose=request.purpose,  # evaluation groups are routed out of the training batch
         )
 
-    def score(self, request: PromptRequest, text: str, ids: list[int]):
+    def _steps(self, scored: Scored, ids: list[int]):
         """``(reward, step_rewards, step_end_tokens, error)``; steps only for process supervision."""
-        prompt, row = request.row["prompt"], request.row
         if self.step_delimiter is None:
-            reward, error = score(self.reward_fn, prompt, text, row)
-            return reward, None, None, error
-        reward, steps, error = score_steps(self.reward_fn, prompt, text, row)
-        if error is None and steps is None:  # a single score: one step, ending at the last token
-            return reward, [reward], [len(ids) - 1], None
+            return scored.reward, None, None, scored.error
+        if scored.error is None and scored.steps is None:  # a single score: one step, ending at the last token
+            return scored.reward, [scored.reward], [len(ids) - 1], None
+        steps, error = scored.steps, scored.error
         ends = step_end_tokens(ids, self.decode, self.step_delimiter) if ids else []
         if error is None and len(steps) != len(ends):
             error = f"ValueError: reward function gave {len(steps)} step rewards for {len(ends)} steps"
         if error is not None or not ids:
             return 0.0, [], [], error
-        return reward, steps, ends, None
+        return scored.reward, steps, ends, None
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def _call(request: PromptRequest, samples: list[Sample]) -> tuple[list[str], list[str], list[dict]]:
+    """One reward call: the group's prompt and row, once per completion."""
+    n = len(samples)
+    return [request.row["prompt"]] * n, [s.text for s in samples], [request.row] * n

@@ -128,7 +128,7 @@ def main() -> None:
         model_path=model_path,
         engine=engine,
         rollout=rollout,
-        reward_function=cfg.reward.function,
+        reward=cfg.reward,
         dtype=args.dtype,
         seed=seed,
         log_path=os.path.join(log_dir, "actor-0.log"),

@@ -4,6 +4,7 @@ tandem demo [key=value ...]                   the built-in demo: a real RL run o
 tandem train --config FILE.yaml [key=value]   train with a config file and overrides
 tandem train --resume RUN_DIR [key=value]     continue a run from its newest intact checkpoint
 tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
+tandem eval --model DIR --config F [k=v]      evaluate a saved model on the config's held-out set
 tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
 tandem config-reference                       print every config key (Markdown)
 tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
@@ -99,21 +100,22 @@ def _shutdown_ray() -> None:
         ray.shutdown()
 
 
-async def _train_with_signals(cfg, run, rows, model_path, stop, resume):
+async def _train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows):
     from launch.train import train
 
     stop.install()
     try:
-        return await train(cfg, run, rows, model_path, stop, resume)
+        return await train(cfg, run, rows, model_path, stop, resume, eval_rows)
     finally:
         stop.uninstall()
 
 
 def run_training(config_path: str | Path | None, overrides: list[str], resume_dir: str | None = None) -> int:
-    from actors.rewards import check_reward_function
-    from launch.build import load_prompt_rows, prepare_model
+    from actors.rewards import check_rewards
+    from launch.build import prepare_model
     from launch.checkpoints import CheckpointError, CheckpointStore
-    from launch.preflight import preflight
+    from launch.data import load_run_rows
+    from launch.preflight import check_prompt_lengths, preflight
     from launch.run_dir import RunLog, format_seconds
     from launch.stopping import StopRequest
     from launch.train import Resume, check_resumable, time_limit_s
@@ -126,10 +128,11 @@ def run_training(config_path: str | Path | None, overrides: list[str], resume_di
         config_path = config_path or root / "config.yaml"
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
-    check_reward_function(cfg.reward.function, cfg.reward.import_timeout_s)
-    rows = load_prompt_rows(cfg.data, cfg.run.seed)
+    check_rewards(cfg.reward)
+    rows, eval_rows = load_run_rows(cfg, lambda line: print(f"tandem: {line}", file=sys.stderr, flush=True))
     model_path = prepare_model(cfg.model)
     rows = preflight(cfg, model_path, rows)
+    eval_rows = check_prompt_lengths(cfg, model_path, eval_rows, "the held-out set")
     dumped = cfg.model_dump(mode="json")
     resume = None
     if resume_dir is not None:
@@ -146,7 +149,7 @@ def run_training(config_path: str | Path | None, overrides: list[str], resume_di
         while True:
             stop = StopRequest(run.say, time_limit_s(cfg), started)
             try:
-                progress = asyncio.run(_train_with_signals(cfg, run, rows, model_path, stop, resume))
+                progress = asyncio.run(_train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows))
                 break
             except _restartable() as exc:
                 _shutdown_ray()
@@ -329,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("run_dir")
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest intact one)")
     ex.add_argument("--out", required=True, help="directory to write (new or empty)")
+    ev = sub.add_parser("eval", help="evaluate a saved model on the config's held-out set (pass@1, pass@k)")
+    ev.add_argument("--model", required=True, help="model directory (e.g. RUN_DIR/model) or Hugging Face id")
+    ev.add_argument("--config", required=True, help="YAML config: its eval, data, reward, rollout and engine")
+    ev.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. eval.samples=8)")
     _add_launchers(sub)
     args = parser.parse_args(argv)
 
@@ -363,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(export_model(args.run_dir, args.out, args.step, say=lambda t: print(t, file=sys.stderr)))
             return 0
+        if args.command == "eval":
+            from launch.evaluate import run_evaluation
+
+            return run_evaluation(args.config, args.model, args.overrides)
         config = DEMO_CONFIG if args.command == "demo" else args.config
         resume = getattr(args, "resume", None)
         if config is None and resume is None:

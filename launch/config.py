@@ -99,6 +99,42 @@ class RunConfig(Section):
         return None if value is None else str(value)
 
 
+class EvalConfig(Section):
+    prompts: str | None = Field(
+        None, description="Held-out rows to evaluate on, in any form data.prompts takes (columns mapped the same way)."
+    )
+    split: str = Field("test", description="Split of eval.prompts when it is a dataset directory or name.")
+    subset: str | None = Field(None, description="Configuration of eval.prompts (default: data.subset).")
+    fraction: float = Field(
+        0.0, ge=0, lt=1, description="Hold this fraction of data.prompts out of training and evaluate on it instead."
+    )
+    max_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N held-out rows only.")
+    every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate every N steps; with a held-out set it also runs before step 1 and after the last one.",
+    )
+    samples: int = Field(4, gt=0, description="Completions per held-out prompt (k of pass@k).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
+    correct_reward: float = Field(
+        1.0, description="A completion counts as correct (for pass@k) when its reward is at least this."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if self.prompts and self.fraction:
+            raise ValueError("set eval.prompts or eval.fraction, not both")
+        if self.every and not self.enabled:
+            raise ValueError(
+                f"eval.every = {self.every} but there is nothing to evaluate on; set eval.prompts or eval.fraction"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prompts or self.fraction)
+
+
 class TandemConfig(Section):
     model: ModelConfig
     data: DataConfig
@@ -110,6 +146,7 @@ class TandemConfig(Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
@@ -127,6 +164,11 @@ class TandemConfig(Section):
                 "rollout.max_tokens or raise engine.max_model_len"
             )
         algo = self.algorithm
+        if algo.method.per_step_rewards and len(self.reward.parts) > 1:
+            raise ValueError(
+                f"algorithm.name = {algo.name} scores every reasoning step with one reward function; set "
+                "reward.function, not a weighted sum in reward.functions"
+            )
         if algo.soft_overlong and algo.soft_overlong.cache_len >= self.rollout.max_tokens:
             raise ValueError(
                 f"algorithm.soft_overlong.cache_len = {algo.soft_overlong.cache_len} must be below "

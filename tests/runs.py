@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from actors.config import EngineConfig, RolloutConfig
+from actors.config import EngineConfig, RewardConfig, RolloutConfig
 from actors.environment import actor_env
 from actors.spec import ActorSpec
 from cluster.config import ActorPlacement
@@ -97,7 +97,7 @@ def actor_spec(model_dir: str, log_path: str, reward: str = "builtin:echo", tens
         model_path=model_dir,
         engine=EngineConfig(),
         rollout=RolloutConfig(**rollout),
-        reward_function=reward,
+        reward=RewardConfig(function=reward),
         dtype="float32",
         seed=0,
         tensor_parallel=tensor_parallel,

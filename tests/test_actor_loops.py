@@ -78,10 +78,10 @@ def test_sync_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close
     loop.start()
     row = {"prompt": "copy 5:", "answer": "5"}
     prompts.put_many([PromptRequest(0, row, min_version=0)], timeout=1)
-    (first,) = results.get_batch(1, timeout=5)
+    (first,) = results.get_batch(1, timeout=30)  # the first generate imports vllm (~5 s on a busy machine)
     channel.publish(1, weights(1.0))
     prompts.put_many([PromptRequest(1, row, min_version=1)], timeout=1)
-    (second,) = results.get_batch(1, timeout=5)
+    (second,) = results.get_batch(1, timeout=30)
     prompts.close_now()
     results.close_now()
     loop.join(5)

@@ -1,0 +1,251 @@
+"""Reward worker processes: reward functions run here, off the generation path, each call with a deadline.
+
+A generation actor holds vLLM (and torch) state and, in in-flight mode, an asyncio event loop: a
+reward function that is slow, hangs, or needs the main thread (math-verify's ``signal.alarm``
+timeouts) must not run there. ``RewardPool`` starts ``reward.workers`` processes with the ``spawn``
+start method (a fresh interpreter: nothing of the engine is inherited). Each loads the reward's parts
+once and then answers one call per group of G completions, in its main thread.
+
+Every wait has a deadline:
+  - a worker must finish loading within ``reward.import_timeout_s``;
+  - a call must be answered within ``reward.timeout_s``; past it the call is abandoned: the worker
+    (and its process group) is killed and replaced, and every sample of the call scores 0.0 with the
+    error "TimeoutError: ...", counted like any reward error;
+  - a worker that dies mid-call is replaced the same way ("RewardWorkerDied: ...");
+  - waiting for a free worker is bounded by the calls ahead of it times one call's longest time.
+A worker ends itself when its actor's process goes away (even by SIGKILL), and ``close`` ends all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+from actors.config import RewardConfig
+from actors.reward_parts import SampleScore, load_parts, score_call
+
+KILL_GRACE_S = 5.0  # a killed worker's exit, and a stopped one's
+PARENT_CHECK_S = 1.0  # how often a worker checks that its actor is still alive
+
+
+def worker_main(conn, cfg: RewardConfig, steps: bool, parent_pid: int) -> None:
+    """A reward worker: load the parts, then answer ``(prompts, completions, rows)`` calls until told to
+    stop (``None``) or the actor's end of the pipe closes. Runs in the process's main thread."""
+    os.setsid()  # its own process group: killing it on a timeout takes whatever the reward started too
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        parts = load_parts(cfg)
+    except Exception as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            call = conn.recv()
+        except (EOFError, OSError):
+            return  # the actor is gone
+        if call is None:
+            return
+        prompts, completions, rows = call
+        conn.send(score_call(parts, prompts, completions, rows, steps))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent_pid:  # reparented: the actor died without closing the pool
+            os._exit(0)
+
+
+class _Worker:
+    """One worker process and the actor's end of its pipe; used by one call at a time."""
+
+    def __init__(self, ctx, cfg: RewardConfig, steps: bool):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=worker_main, args=(child, cfg, steps, os.getpid()), name="tandem-reward-worker", daemon=False
+        )
+        self.proc.start()
+        child.close()
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """None once the worker has loaded the reward, else the error."""
+        if self.ready:
+            return None
+        try:
+            if not self.conn.poll(timeout_s):
+                return (
+                    f"TimeoutError: a reward worker did not load the reward functions within {timeout_s:g} s "
+                    "(reward.import_timeout_s)"
+                )
+            kind, payload = self.conn.recv()
+        except (EOFError, OSError):
+            return self._died("while loading the reward functions")
+        if kind == "failed":
+            return f"RewardWorkerError: a reward worker could not load the reward: {payload}"
+        self.ready = True
+        return None
+
+    def call(self, request: tuple, timeout_s: float, load_timeout_s: float) -> list[SampleScore] | str:
+        """The worker's answer, or an error (then the worker must be replaced)."""
+        error = self.wait_ready(load_timeout_s)
+        if error is not None:
+            return error
+        try:
+            self.conn.send(request)
+            if not self.conn.poll(timeout_s):
+                return (
+                    f"TimeoutError: reward call took longer than reward.timeout_s = {timeout_s:g} s "
+                    "(abandoned; its worker was replaced)"
+                )
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return self._died("while scoring")
+
+    def _died(self, doing: str) -> str:
+        self.proc.join(KILL_GRACE_S)
+        code = self.proc.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code and code < 0 else f"exited with code {code}"
+        return f"RewardWorkerDied: the reward worker (pid {self.proc.pid}) {how} {doing}"
+
+    def stop(self) -> None:
+        """Ask an idle worker to stop; kill it if it does not."""
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(KILL_GRACE_S)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.exitcode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and anything it started
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+            self.proc.join(KILL_GRACE_S)
+        self.conn.close()
+
+
+def _stop_all(workers: set) -> None:
+    for worker in list(workers):
+        worker.kill()
+
+
+class RewardPool:
+    """``cfg.workers`` reward worker processes. ``steps``: process supervision (a part may return step
+    rewards). ``score`` never raises: a failed call gives every sample 0.0 and the error."""
+
+    def __init__(self, cfg: RewardConfig, steps: bool = False):
+        self.cfg, self.steps = cfg, steps
+        self._ctx = multiprocessing.get_context("spawn")  # the actor's engine and threads are not forked
+        self._cond = threading.Condition()
+        self._all: set[_Worker] = set()
+        self._idle: list[_Worker] = []
+        self._busy = self._waiting = 0
+        self._closed = False
+        self.replaced = 0  # workers replaced after a timeout or a death
+        for _ in range(cfg.workers):
+            self._idle.append(self._spawn())
+        self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reward-wait")  # async/batched waits
+        self._finalizer = weakref.finalize(self, _stop_all, self._all)  # at exit, if never closed
+
+    def _spawn(self) -> _Worker:
+        worker = _Worker(self._ctx, self.cfg, self.steps)
+        self._all.add(worker)
+        return worker
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has loaded the reward; raise ``RuntimeError`` with the first error."""
+        for worker in list(self._idle):
+            error = worker.wait_ready(self.cfg.import_timeout_s)
+            if error is not None:
+                self.close()
+                raise RuntimeError(error)
+
+    @property
+    def call_deadline_s(self) -> float:
+        """The longest one call can hold a worker: loading a fresh worker, the call, and a kill."""
+        return self.cfg.import_timeout_s + self.cfg.timeout_s + KILL_GRACE_S
+
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[SampleScore]:
+        """Every part's value for each completion (one call, one worker)."""
+        worker = self._acquire()
+        if isinstance(worker, str):
+            return self._failed(worker, len(completions))
+        answer = worker.call((prompts, completions, rows), self.cfg.timeout_s, self.cfg.import_timeout_s)
+        self._release(worker, healthy=not isinstance(answer, str))
+        return self._failed(answer, len(completions)) if isinstance(answer, str) else answer
+
+    def score_many(self, calls: list[tuple[list[str], list[str], list[dict]]]) -> list[list[SampleScore]]:
+        """Several calls at once, spread over the workers."""
+        if len(calls) == 1:
+            return [self.score(*calls[0])]
+        return list(self._executor.map(lambda call: self.score(*call), calls))
+
+    async def score_async(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[SampleScore]:
+        """``score`` without blocking the event loop (the wait runs on the pool's own threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.score, prompts, completions, rows)
+
+    def _failed(self, error: str, n: int) -> list[SampleScore]:
+        return [SampleScore(parts=[0.0] * len(self.cfg.parts), error=error) for _ in range(n)]
+
+    def _acquire(self) -> _Worker | str:
+        with self._cond:
+            ahead = self._busy + self._waiting
+            limit = self.call_deadline_s * (ahead // self.cfg.workers + 1)
+            deadline = time.monotonic() + limit
+            self._waiting += 1
+            try:
+                while not self._idle and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return f"TimeoutError: no reward worker became free within {limit:g} s"
+                    self._cond.wait(left)
+                if self._closed:
+                    return "RuntimeError: the reward pool is closed (the actor is stopping)"
+                self._busy += 1
+                return self._idle.pop()
+            finally:
+                self._waiting -= 1
+
+    def _release(self, worker: _Worker, healthy: bool) -> None:
+        if not healthy:
+            worker.kill()
+        with self._cond:
+            self._busy -= 1
+            if not healthy:
+                self._all.discard(worker)
+                if not self._closed:
+                    self.replaced += 1
+                    worker = self._spawn()
+            if self._closed:
+                self._all.discard(worker)
+                worker.stop()
+            else:
+                self._idle.append(worker)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """End every worker: idle ones are told to stop, busy ones are killed (their calls fail at once)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            idle, self._idle = self._idle, []
+            busy = [w for w in self._all if w not in idle]
+            self._cond.notify_all()
+        for worker in busy:
+            worker.proc.kill()  # its caller sees the pipe close and releases it
+        for worker in idle:
+            self._all.discard(worker)
+            worker.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._finalizer.detach()
