@@ -18,23 +18,38 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every character a built-in task or a test prompt can use; one token each.
 # The last seven (after "#") fill the 64-entry table: chat markup and ``\boxed{}`` answers.
 CHARACTERS = string.digits + string.ascii_lowercase + " +-*=:>?,.!()[]#<{}/\\|\n"
-MARKER = "tiny-model.json"  # written last; its presence means the directory is complete
+MARKER = "tiny-model.json"
+# A chat template in the tiny vocabulary (the math example): "<s>system\n<u>question\n<a>" + answer.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}"
+)  # written last; its presence means the directory is complete
+
+
+def _byte_level(char: str) -> str:
+    """The symbol byte-level BPE uses for a one-byte character (printable ASCII is itself; ' ' is 'Ġ')."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return bytes_to_unicode()[ord(char)]
 
 
 def tiny_vocab() -> dict[str, int]:
-    """Token -> id: the four special tokens first, then one id per character."""
-    tokens = [PAD, BOS, EOS, UNK, *CHARACTERS]
+    """Token -> id: the four special tokens first, then one id per character (as its byte-level symbol)."""
+    tokens = [PAD, BOS, EOS, UNK, *(_byte_level(c) for c in CHARACTERS)]
     return {tok: i for i, tok in enumerate(tokens)}
 
 
 def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` (WordLevel over single characters)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level ``PreTrainedTokenizerFast``: byte-level BPE with no merges, so every character is
+    one token. Built this way because transformers loads a Qwen2 model's tokenizer as ``Qwen2Tokenizer``
+    whatever its file says, and that class rebuilds a byte-level BPE from the vocabulary: a plain
+    WordLevel tokenizer would silently lose its spaces and newlines when reloaded (vLLM loads it so too)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocab=tiny_vocab(), unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
-    core.decoder = decoders.Fuse()  # join characters back without spaces
+    core = Tokenizer(models.BPE(vocab=tiny_vocab(), merges=[], unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -56,6 +71,7 @@ def build_tiny_model(
     max_positions: int = 512,
     seed: int = 0,
     overwrite: bool = False,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a randomly initialised Qwen2 model and its tokenizer to ``out_dir``.
 
@@ -76,6 +92,7 @@ def build_tiny_model(
         max_positions=max_positions,
         seed=seed,
         characters=CHARACTERS,  # a directory built with an older tokenizer is rebuilt
+        chat_template=chat_template,
     )
     marker = out / MARKER
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == spec:
@@ -87,6 +104,7 @@ def build_tiny_model(
             "which vLLM's CPU attention does not support; choose e.g. hidden_size=128, num_heads=4"
         )
     tokenizer = build_tokenizer()
+    tokenizer.chat_template = chat_template
     vocab = tiny_vocab()
     config = Qwen2Config(
         vocab_size=64 * ((len(vocab) + 63) // 64),  # pad the table to a multiple of 64
@@ -108,6 +126,6 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    # A chat-free model: vLLM and the learner tokenise raw prompt text.
+    # Without a chat template (the default) prompts go to the model as raw text.
     marker.write_text(json.dumps(spec))
     return out
