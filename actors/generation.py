@@ -78,7 +78,7 @@ class GenerationActor:
         start = time.monotonic()
         prompts = [engine_prompt(r) for r in requests]
         seed = self.spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
-        params = [request_params(self.spec, r, seed=seed + r.prompt_id) for r in requests]
+        params = [request_params(self.spec, r, seed=seed + r.seed_offset) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - start
         waits = [self.policy.take_wait()] + [0.0] * (len(requests) - 1)  # the call's weight time, reported once

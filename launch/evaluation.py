@@ -123,8 +123,9 @@ class Evaluator:
                 purpose="eval",
                 samples=self.config.samples,
                 temperature=self.config.temperature,
+                sample_seed=(1 << 30) + i,  # every round samples row i alike: rounds differ by weights only
             )
-            for pid, row in zip(ids, self.rows)
+            for i, (pid, row) in enumerate(zip(ids, self.rows))
         ]
         self.rounds[index] = EvalRound(step=step, ids=set(ids))
         self.owner.update({pid: index for pid in ids})

@@ -26,6 +26,12 @@ class PromptRequest:
     purpose: str = "train"  # "train" | "eval": evaluation groups skip the training batch
     samples: int | None = None  # completions to sample (None: rollout.group_size)
     temperature: float | None = None  # sampling temperature (None: rollout.temperature; 0: greedy)
+    sample_seed: int | None = None  # seeds its samples (None: the prompt id); evaluation: the row's index
+
+    @property
+    def seed_offset(self) -> int:
+        """What the actor adds to its seed for this prompt's samples (never negative)."""
+        return self.prompt_id if self.sample_seed is None else self.sample_seed
 
 
 @dataclass
