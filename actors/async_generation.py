@@ -52,7 +52,8 @@ class AsyncGenerationActor:
 
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.spec)))
             tokenizer = self.engine.tokenizer
-            scorer = RewardScorer(self.spec.reward, steps=self.spec.step_delimiter is not None)
+            steps = self.spec.step_delimiter is not None
+            scorer = RewardScorer(self.spec.reward, steps, model_actors=self.spec.reward_model_actors)
             await asyncio.to_thread(scorer.wait_ready)  # the reward workers load off the event loop
             self.builder = GroupBuilder(
                 self.spec.name,

@@ -11,10 +11,14 @@ from pydantic import Field, model_validator
 from queues.config import Section
 
 DEFAULT_FORMAT_PATTERN = r"\s*<think>.+?</think>\s*\S.*"
+MODEL_PART = "model"  # the reward.functions entry whose scores come from reward.model's actors
 
 
 class RewardFunctionConfig(Section):
-    function: str = Field(description="One part of the reward: 'path/to/file.py:function_name' or 'builtin:<name>'.")
+    function: str = Field(
+        description="One part of the reward: 'path/to/file.py:function_name', 'builtin:<name>', or 'model' "
+        "(the reward model of reward.model)."
+    )
     weight: float = Field(1.0, description="Weight of this part in the reward (reward = sum of weight x part).")
     name: str | None = Field(
         None,
@@ -25,6 +29,22 @@ class RewardFunctionConfig(Section):
     @property
     def part_name(self) -> str:
         return self.name or self.function.rpartition(":")[2] or self.function
+
+    @property
+    def is_model(self) -> bool:
+        return self.function == MODEL_PART
+
+
+class RewardModelConfig(Section):
+    path: str = Field(
+        description="Hugging Face sequence-classification directory (AutoModelForSequenceClassification with one "
+        "label): the part's value is that label's logit for prompt + completion."
+    )
+    batch_size: int = Field(16, gt=0, description="Sequences per forward pass of the reward model.")
+    max_length: int = Field(
+        2048, gt=0, description="Longest prompt + completion the reward model reads, in tokens (left-truncated)."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="The reward model's weights dtype.")
 
 
 class RewardConfig(Section):
@@ -62,6 +82,11 @@ class RewardConfig(Section):
     max_error_steps: int = Field(
         3, gt=0, description="Steps in a row in which every reward call failed before the run stops (it cannot learn)."
     )
+    model: RewardModelConfig | None = Field(
+        None,
+        description="A reward model on its own Ray actors (resources.reward_model), used as the part "
+        "{function: model, weight: w} of reward.functions.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
@@ -77,6 +102,15 @@ class RewardConfig(Section):
             repeated = sorted({n for n in names if names.count(n) > 1})
             if repeated:
                 raise ValueError(f"reward.functions has two parts named {repeated[0]!r}; give them distinct 'name's")
+        models = [p for p in self.parts if p.is_model]
+        if len(models) > 1:
+            raise ValueError("reward.functions names the reward model ('model') twice; list it once")
+        if models and self.model is None:
+            raise ValueError("reward.functions has a 'model' part but reward.model is not set; set reward.model.path")
+        if self.model is not None and not models:
+            raise ValueError(
+                "reward.model is set but no part uses it; add {function: model, weight: 1.0} to reward.functions"
+            )
         try:
             re.compile(self.format_pattern)
         except re.error as exc:
@@ -87,6 +121,11 @@ class RewardConfig(Section):
     def parts(self) -> list[RewardFunctionConfig]:
         """The reward's parts: ``functions``, or ``function`` as one part of weight 1."""
         return list(self.functions) if self.functions is not None else [RewardFunctionConfig(function=self.function)]
+
+    @property
+    def function_parts(self) -> list[RewardFunctionConfig]:
+        """The parts computed by functions in the reward workers (all but the reward model)."""
+        return [p for p in self.parts if not p.is_model]
 
 
 class RolloutConfig(Section):

@@ -16,6 +16,11 @@ from cluster.config import ActorPlacement
 INDUCTOR_CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "inductor"
 
 
+def reward_model_env(num_cpus: float) -> dict[str, str]:
+    """A reward model actor: one torch thread per reserved core (as a learner rank)."""
+    return {"OMP_NUM_THREADS": str(max(1, int(num_cpus))), "TOKENIZERS_PARALLELISM": "false"}
+
+
 def actor_env(placement: ActorPlacement, index: int, engine: EngineConfig) -> dict[str, str]:
     """Environment variables of generation actor ``index``."""
     env = {

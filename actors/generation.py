@@ -39,7 +39,8 @@ class GenerationActor:
             engine = LLM(**engine_kwargs(spec))
         self.llm = engine
         tokenizer = self.llm.get_tokenizer()
-        scorer = RewardScorer(spec.reward, steps=spec.step_delimiter is not None)  # its worker processes
+        steps = spec.step_delimiter is not None
+        scorer = RewardScorer(spec.reward, steps, model_actors=spec.reward_model_actors)  # its worker processes
         scorer.wait_ready()  # a reward that cannot load in a worker fails the actor's start, naming it
         self.builder = GroupBuilder(
             spec.name, scorer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), spec.step_delimiter

@@ -25,7 +25,7 @@ PartResult = tuple[float, list[float] | None, str | None]
 class SampleScore:
     """One completion's scores, as a reward worker returns them (it crosses a process boundary)."""
 
-    parts: list[float]  # raw (unweighted) value of each part, in reward.functions order; 0.0 where it failed
+    parts: list[float]  # raw (unweighted) value of each function part, in reward.functions order; 0.0 if failed
     steps: list[float] | None = None  # process supervision: the step rewards of the one part, if it gave a list
     error: str | None = None  # "ExceptionType: message" of the first part that failed on this completion
 
@@ -74,9 +74,10 @@ def _checked(result: PartResult, steps: bool) -> PartResult:
 
 
 def load_parts(cfg: RewardConfig) -> list[RewardPart]:
-    """Every part of ``cfg`` loaded (``RewardSpecError`` for one that does not load)."""
+    """Every function part of ``cfg`` loaded (``RewardSpecError`` for one that does not load); the reward
+    model's part is not a function and is scored by its own actors."""
     out = []
-    for part in cfg.parts:
+    for part in cfg.function_parts:
         fn = load_reward_function(part.function, cfg)
         call = _batched(fn) if getattr(fn, "batched", False) is True else _per_sample(fn)
         out.append(RewardPart(part.part_name, part.weight, call))

@@ -195,7 +195,7 @@ class RewardPool:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.score, prompts, completions, rows)
 
     def _failed(self, error: str, n: int) -> list[SampleScore]:
-        return [SampleScore(parts=[0.0] * len(self.cfg.parts), error=error) for _ in range(n)]
+        return [SampleScore(parts=[0.0] * len(self.cfg.function_parts), error=error) for _ in range(n)]
 
     def _acquire(self) -> _Worker | str:
         with self._cond:

@@ -1,4 +1,5 @@
-"""The actor's side of rewards: each group's parts from the worker pool, summed with their weights.
+"""The actor's side of rewards: each group's parts from the worker pool and the reward model, summed
+with their weights.
 
 ``reward = sum_i weight_i * part_i``: every part's raw value is kept per completion (``reward_parts``
 of a trajectory, logged per step as ``reward/<name>``). A part that fails on a completion counts 0.0
@@ -8,9 +9,11 @@ Under process supervision the one part may return step rewards; they are scaled 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from actors.config import RewardConfig
+from actors.reward_model import RewardModelClient
 from actors.reward_parts import SampleScore
 from actors.reward_pool import RewardPool
 
@@ -26,31 +29,76 @@ class Scored:
 
 
 class RewardScorer:
-    """Scores groups with a ``RewardPool`` (``pool``: an already built one, for tests)."""
+    """Scores groups: the function parts with a ``RewardPool``, the reward model's part with a
+    ``RewardModelClient`` (``pool``, ``model``: already built ones, for tests)."""
 
-    def __init__(self, cfg: RewardConfig, steps: bool = False, pool: RewardPool | None = None):
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        steps: bool = False,
+        pool: RewardPool | None = None,
+        model: RewardModelClient | None = None,
+        model_actors: tuple[str, ...] = (),
+    ):
         parts = cfg.parts
         self.names = [p.part_name for p in parts]
         self.weights = [p.weight for p in parts]
-        self.pool = pool or RewardPool(cfg, steps)
+        self.function_index = [i for i, p in enumerate(parts) if not p.is_model]  # pool order -> part index
+        self.model_index = next((i for i, p in enumerate(parts) if p.is_model), None)
+        self.pool = pool or (RewardPool(cfg, steps) if self.function_index else None)
+        if model is None and self.model_index is not None:
+            model = RewardModelClient(list(model_actors), cfg.timeout_s)
+        self.model = model
 
     def wait_ready(self) -> None:
-        self.pool.wait_ready()
+        if self.pool is not None:
+            self.pool.wait_ready()
 
     def score_groups(self, calls: list[tuple[list[str], list[str], list[dict]]]) -> list[list[Scored]]:
-        """``calls``: ``(prompts, completions, rows)`` of each group; its completions' rewards."""
-        return [self._combine(scores) for scores in self.pool.score_many(calls)]
+        """``calls``: ``(prompts, completions, rows)`` of each group; its completions' rewards. The reward
+        model gets all groups in one call, while the workers score them."""
+        sizes = [len(c[1]) for c in calls]
+        ref = None
+        if self.model is not None:  # started first: it runs beside the workers
+            ref = self.model.submit([p for c in calls for p in c[0]], [x for c in calls for x in c[1]])
+        pooled = self.pool.score_many(calls) if self.pool is not None else [None] * len(calls)
+        model = self.model.result(ref, sum(sizes)) if ref is not None else None
+        out, start = [], 0
+        for scores, n in zip(pooled, sizes, strict=True):
+            values = model[start : start + n] if isinstance(model, list) else model
+            out.append(self._combine(scores, values, n))
+            start += n
+        return out
 
     async def score_group_async(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[Scored]:
-        return self._combine(await self.pool.score_async(prompts, completions, rows))
+        async def nothing():
+            return None
 
-    def _combine(self, scores: list[SampleScore]) -> list[Scored]:
+        pooled, model = await asyncio.gather(
+            self.pool.score_async(prompts, completions, rows) if self.pool is not None else nothing(),
+            self.model.score_async(prompts, completions) if self.model is not None else nothing(),
+        )
+        return self._combine(pooled, model, len(completions))
+
+    def _combine(self, scores: list[SampleScore] | None, model: list[float] | str | None, n: int) -> list[Scored]:
+        """``scores``: the workers' (None without function parts); ``model``: the reward model's values,
+        its error, or None without a model part."""
         out = []
-        for s in scores:
-            reward = sum(w * v for w, v in zip(self.weights, s.parts, strict=True))
-            steps = None if s.steps is None else [self.weights[0] * v for v in s.steps]
-            out.append(Scored(reward, dict(zip(self.names, s.parts)), steps, s.error))
+        for i in range(n):
+            values, error, steps = [0.0] * len(self.names), None, None
+            if scores is not None:
+                for index, value in zip(self.function_index, scores[i].parts, strict=True):
+                    values[index] = value
+                error, steps = scores[i].error, scores[i].steps
+            if isinstance(model, str):
+                error = error or model
+            elif model is not None:
+                values[self.model_index] = float(model[i])
+            reward = sum(w * v for w, v in zip(self.weights, values))
+            steps = None if steps is None else [self.weights[0] * v for v in steps]
+            out.append(Scored(reward, dict(zip(self.names, values)), steps, error))
         return out
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -124,9 +124,18 @@ def check_reward_function(spec: str, timeout_s: float) -> None:
 
 
 def check_rewards(cfg: RewardConfig) -> None:
-    """``check_reward_function`` on every part of the reward."""
-    for part in cfg.parts:
+    """``check_reward_function`` on every function part of the reward, and that a local ``reward.model.path``
+    is a model directory (the model itself loads as its actor starts)."""
+    for part in cfg.function_parts:
         check_reward_function(part.function, cfg.import_timeout_s)
+    if cfg.model is not None:
+        path = Path(cfg.model.path).expanduser()
+        local = path.exists() or cfg.model.path.startswith((".", "/", "~")) or cfg.model.path.count("/") > 1
+        if local and not (path / "config.json").is_file():
+            raise RewardSpecError(
+                f"reward.model.path {cfg.model.path} is not a Hugging Face model directory (no config.json); "
+                "point it at a sequence-classification model"
+            )
 
 
 def _kill_group(child: subprocess.Popen) -> None:

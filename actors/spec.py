@@ -29,6 +29,7 @@ class ActorSpec:
     tensor_parallel: int = 1  # vLLM shards (placement decides: GPUs, or cores on CPU)
     log_path: str | None = None  # this process's output file
     step_delimiter: str | None = None  # set for process supervision: one reward per reasoning step
+    reward_model_actors: tuple[str, ...] = ()  # Ray names of the reward model actors (reward.model)
 
 
 @dataclass(frozen=True)

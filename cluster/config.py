@@ -71,6 +71,13 @@ class ReferencePlacement(Section):
     custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per reference actor.")
 
 
+class RewardModelPlacement(Section):
+    count: int = Field(1, gt=0, description="Reward model actors (used only with reward.model); calls alternate.")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs per reward model actor.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per reward model actor.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per reward model actor.")
+
+
 class ResourcesConfig(Section):
     address: str | None = Field(None, description="Ray cluster address to join; empty starts a local Ray.")
     local_num_cpus: int | None = Field(
@@ -84,6 +91,7 @@ class ResourcesConfig(Section):
     learner: LearnerPlacement = Field(default_factory=LearnerPlacement)
     critic: CriticPlacement = Field(default_factory=CriticPlacement)
     reference: ReferencePlacement = Field(default_factory=ReferencePlacement)
+    reward_model: RewardModelPlacement = Field(default_factory=RewardModelPlacement)
 
     @model_validator(mode="after")
     def _gpus_match_tensor_parallel(self) -> ResourcesConfig:

@@ -13,7 +13,7 @@ from pathlib import Path
 from cluster.placement import check_fits, local_ray_cpus, ray_options
 from launch import reaper
 from launch.config import ModelConfig, TandemConfig
-from launch.plan import actor_environment, build_plan, rank_environment
+from launch.plan import actor_environment, build_plan, rank_environment, reward_model_environment
 from launch.run_dir import RunLog
 
 
@@ -114,6 +114,7 @@ def generation_actor(cfg: TandemConfig, model_path: str, run: RunLog, scheduling
         tensor_parallel=cfg.resources.actors.tensor_parallel,  # the engine shards over the actor's GPUs/cores
         log_path=run.log_path(name),
         step_delimiter=cfg.algorithm.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
+        reward_model_actors=tuple(reward_model_names(cfg, run)),
     )
     return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
 
@@ -126,7 +127,44 @@ async def await_actors(cfg: TandemConfig, run: RunLog, actors: list, names: list
         run.process(info["name"], info)
 
 
+# The reward model actors of this driver by Ray name: held here so they live as long as the driver.
+_REWARD_MODELS: dict[str, object] = {}
+
+
+def reward_model_names(cfg: TandemConfig, run: RunLog) -> list[str]:
+    """Ray names of the reward model actors (none without reward.model), unique to the run directory."""
+    kind = build_plan(cfg).reward_model
+    return [f"{run.root.name}-{name}" for name in kind.names()] if kind else []
+
+
+async def build_reward_models(cfg: TandemConfig, run: RunLog, scheduling: dict) -> None:
+    """Start the reward model actors (``reward.model``) once per driver and wait until they are up; a
+    process without a bundle in ``scheduling`` asks for plain resources."""
+    import ray
+
+    from actors.reward_model import RewardModelActor
+
+    kind = build_plan(cfg).reward_model
+    if kind is None:
+        return
+    names, ray_names = kind.names(), reward_model_names(cfg, run)
+    env = reward_model_environment(kind)
+    new = [(n, r) for n, r in zip(names, ray_names) if r not in _REWARD_MODELS]
+    for name, ray_name in new:
+        options = ray_options(kind, env, scheduling.get(name))
+        _REWARD_MODELS[ray_name] = (
+            ray.remote(RewardModelActor)
+            .options(name=ray_name, **options)
+            .remote(cfg.reward.model, name, run.log_path(name))
+        )
+    refs = [_REWARD_MODELS[r].ready.remote() for _, r in new]
+    infos = await _await_ready(refs, [n for n, _ in new], [run.log_path(n) for n, _ in new], cfg.run.startup_timeout_s)
+    for info in infos:
+        run.process(info["name"], info)
+
+
 async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict) -> list:
+    await build_reward_models(cfg, run, scheduling)  # the actors look them up by name as they start
     names = build_plan(cfg).actors.names()
     actors = [generation_actor(cfg, model_path, run, scheduling, i) for i in range(len(names))]
     await await_actors(cfg, run, actors, names)

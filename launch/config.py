@@ -10,6 +10,7 @@ README's config reference is generated from them (a test keeps them in sync).
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -273,6 +274,9 @@ def config_reference() -> str:
                 continue
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
             rows.append(f"| `{prefix}{name}` | `{default}` | {field.description} |")
+            optional = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(optional) == 1:  # an optional section (off when empty): its keys too
+                walk(optional[0], f"{prefix}{name}.")
 
     walk(TandemConfig, "")
     return "\n".join(rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.environment import actor_env
+from actors.environment import actor_env, reward_model_env
 from cluster.placement import ProcessKind
 from launch.config import TandemConfig
 from learner.environment import rank_env
@@ -21,10 +21,12 @@ class Plan:
     learner: ProcessKind
     critic: ProcessKind | None  # separate critic ranks, one per learner rank
     reference: ProcessKind | None  # separate reference actors
+    reward_model: ProcessKind | None = None  # the reward model's actors (reward.model)
 
     @property
     def kinds(self) -> list[ProcessKind]:
-        return [k for k in (self.actors, self.learner, self.critic, self.reference) if k is not None]
+        kinds = (self.actors, self.learner, self.critic, self.reference, self.reward_model)
+        return [k for k in kinds if k is not None]
 
 
 def _kind(prefix: str, label: str, count: int, section, key: str, **extra) -> ProcessKind:
@@ -52,11 +54,19 @@ def build_plan(cfg: TandemConfig) -> Plan:
         reference = _kind("reference", "reference actor", res.reference.count, res.reference, "reference",
                           count_key="resources.reference.count",
                           colocate_hint=None if both else "resources.reference.placement")  # fmt: skip
-    return Plan(actors, learner, critic, reference)
+    reward_model = None
+    if cfg.reward.model is not None:
+        reward_model = _kind("reward-model", "reward model actor", res.reward_model.count, res.reward_model,
+                             "reward_model", count_key="resources.reward_model.count")  # fmt: skip
+    return Plan(actors, learner, critic, reference, reward_model)
 
 
 def actor_environment(cfg: TandemConfig, index: int) -> dict[str, str]:
     return actor_env(cfg.resources.actors, index, cfg.engine)
+
+
+def reward_model_environment(kind: ProcessKind) -> dict[str, str]:
+    return reward_model_env(kind.num_cpus)
 
 
 def rank_environment(kind: ProcessKind) -> dict[str, str]:

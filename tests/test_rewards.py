@@ -113,7 +113,8 @@ def test_a_failed_part_counts_zero_in_the_sum_and_the_completion_counts_as_an_er
 
 def test_step_rewards_are_scaled_by_the_weight_of_the_one_part():
     cfg = RewardConfig(functions=[{"function": "builtin:successor_steps", "weight": 2.0}])
-    (scored,) = RewardScorer(cfg, pool=FakePool([SampleScore([0.75], steps=[1.0, -0.25])])).score_groups([([], [], [])])
+    pool = FakePool([SampleScore([0.75], steps=[1.0, -0.25])])
+    (scored,) = RewardScorer(cfg, pool=pool).score_groups([(["next 4:"], ["5x"], [{}])])
     assert scored[0].reward == 1.5 and scored[0].steps == [2.0, -0.5]
 
 
