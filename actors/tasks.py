@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.arith_task import arith_reward, arith_rows
+
 DIGITS = "0123456789"
 
 __all__ = [
@@ -237,6 +239,16 @@ BUILTIN_TASKS: dict[str, Task] = {
             "character, -0.25 for each further one. Use with algorithm.step_delimiter=''."
         ),
         recommended=dict(RECOMMENDED),
+    ),
+    "arith": Task(
+        name="arith",
+        make_rows=arith_rows,
+        reward=arith_reward,
+        doc=(
+            "Multi-step addition answered in \\boxed{} ('7+4+3' -> '7+4=11\\n11+3=14\\n\\boxed{14}'), for a "
+            "supervised warm-start then GRPO with builtin:math (the math example, actors/arith_task.py)."
+        ),
+        recommended=dict(RECOMMENDED, max_tokens=160, prompts_per_step=16, steps=60),
     ),
 }
 

@@ -5,6 +5,7 @@ tandem train --config FILE.yaml [key=value]   train with a config file and overr
 tandem train --resume RUN_DIR [key=value]     continue a run from its newest intact checkpoint
 tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
 tandem eval --model DIR --config F [k=v]      evaluate a saved model on the config's held-out set
+tandem example math [key=value ...]           warm-start a tiny chat model, GRPO with math-verify, eval
 tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
 tandem config-reference                       print every config key (Markdown)
 tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
@@ -110,7 +111,10 @@ async def _train_with_signals(cfg, run, rows, model_path, stop, resume, eval_row
         stop.uninstall()
 
 
-def run_training(config_path: str | Path | None, overrides: list[str], resume_dir: str | None = None) -> int:
+def run_training(
+    config_path: str | Path | None, overrides: list[str], resume_dir: str | None = None, result: dict | None = None
+) -> int:
+    """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists."""
     from actors.rewards import check_rewards
     from launch.build import prepare_model
     from launch.checkpoints import CheckpointError, CheckpointStore
@@ -144,6 +148,8 @@ def run_training(config_path: str | Path | None, overrides: list[str], resume_di
     else:
         run = RunLog.create(cfg.run.output_dir, cfg.run.name, dumped, cfg.run.steps, private=cfg.run.private)
         store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+    if result is not None:
+        result["run_dir"] = str(run.root)
     status, error, restarts = "failed", None, 0
     try:
         while True:
@@ -320,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the built-in demo (tiny model, built-in task, CPU)")
     demo.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    exm = sub.add_parser("example", help="run a built-in example end to end (math: SFT warm-start, GRPO, eval)")
+    exm.add_argument("name", choices=["math"])
+    exm.add_argument("--sft-steps", type=int, default=400, help="supervised warm-start steps (default 400)")
+    exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
     tr.add_argument("--config", help="YAML config file (with --resume: default the run's own config.yaml)")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
@@ -370,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(export_model(args.run_dir, args.out, args.step, say=lambda t: print(t, file=sys.stderr)))
             return 0
+        if args.command == "example":
+            from launch.example import run_math_example
+
+            return run_math_example(args.overrides, args.sft_steps)
         if args.command == "eval":
             from launch.evaluate import run_evaluation
 

@@ -1,0 +1,45 @@
+"""The built-in ``arith`` task: multi-step addition in chat format, answered in ``\\boxed{}``.
+
+For the math example (``tandem example math``): a tiny model is first warm-started with
+supervised steps on worked solutions, then trained with GRPO and ``builtin:math``. A row::
+
+    prompt   "7+4+3+4+4+3+2"                       (6 to 10 operands, each 1-9)
+    solution "7+4=11\\n11+3=14\\n...\\n25+2=27\\n\\boxed{27}"  (one line per addition: 45-90 tokens)
+    answer   "27"
+
+Measured on the 2-layer, hidden-128 tiny model (char-level tokenizer, batch 32, lr 3e-3): greedy
+accuracy on held-out rows is 0 after 200 supervised steps, 6% after 350, 72% after 450 and 99%
+after 600 (sampled at temperature 1: 5%, 6%, 59%, -): the format is learnt long before the
+sums are, so a short warm-start leaves the arithmetic for reinforcement learning to improve.
+The rows never need the hub and every character is in the tiny model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def arith_row(rng: random.Random, min_terms: int = 6, max_terms: int = 10) -> dict:
+    terms = [rng.randint(1, 9) for _ in range(rng.randint(min_terms, max_terms))]
+    lines, total = [], terms[0]
+    for term in terms[1:]:
+        lines.append(f"{total}+{term}={total + term}")
+        total += term
+    solution = "\n".join(lines) + f"\n\\boxed{{{total}}}"
+    return {"prompt": "+".join(map(str, terms)), "answer": str(total), "solution": solution, "task": "arith"}
+
+
+def arith_rows(n: int, seed: int = 0) -> list[dict]:
+    """``n`` rows, the same for the same ``seed``."""
+    rng = random.Random(seed * 7717 + 3)
+    return [arith_row(rng) for _ in range(n)]
+
+
+def arith_reward(prompt: str, completion: str, row: dict | None = None) -> float:
+    """1.0 when the last ``\\boxed{}`` of the completion holds the answer exactly, else 0.0 (a plain check
+    for users without math-verify; the example scores with ``builtin:math``)."""
+    found = BOXED.findall(completion)
+    return float(bool(found) and row is not None and found[-1].strip() == str(row["answer"]))
