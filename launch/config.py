@@ -106,6 +106,8 @@ class EvalConfig(Section):
     )
     split: str = Field("test", description="Split of eval.prompts when it is a dataset directory or name.")
     subset: str | None = Field(None, description="Configuration of eval.prompts (default: data.subset).")
+    prompt_field: str | None = Field(None, description="Prompt column of eval.prompts (default: data.prompt_field).")
+    answer_field: str | None = Field(None, description="Answer column of eval.prompts (default: data.answer_field).")
     fraction: float = Field(
         0.0, ge=0, lt=1, description="Hold this fraction of data.prompts out of training and evaluate on it instead."
     )

@@ -23,7 +23,14 @@ def fields_of(data: DataConfig) -> Fields:
 
 
 def read_source(
-    source: str, data: DataConfig, seed: int, split: str, subset: str | None, what: str, say: Callable[[str], None]
+    source: str,
+    data: DataConfig,
+    seed: int,
+    split: str,
+    subset: str | None,
+    what: str,
+    say: Callable[[str], None],
+    fields: Fields | None = None,
 ) -> Rows:
     """Rows of a ``builtin:<task>`` or of a file / directory / dataset name."""
     if source.startswith("builtin:"):
@@ -34,7 +41,7 @@ def read_source(
         except KeyError as exc:
             raise DatasetError(f"{what} {source!r}: {exc.args[0]}") from None
         return task.make_rows(data.num_rows, seed)
-    return read_rows(source, fields_of(data), split, subset, what, say).rows
+    return read_rows(source, fields or fields_of(data), split, subset, what, say).rows
 
 
 def load_prompt_rows(data: DataConfig, seed: int, say: Callable[[str], None] = lambda line: None) -> Rows:
@@ -48,9 +55,10 @@ def load_run_rows(cfg: TandemConfig, say: Callable[[str], None]) -> tuple[Rows, 
     ev = cfg.eval
     if ev.prompts:
         # a built-in eval task draws its rows from another seed: prompts not generated for training
-        held = read_source(
-            ev.prompts, cfg.data, cfg.run.seed + 1, ev.split, ev.subset or cfg.data.subset, "eval.prompts", say
-        )
+        own = fields_of(cfg.data)
+        fields = Fields(ev.prompt_field or own.prompt, ev.answer_field or own.answer, own.messages)
+        subset = ev.subset or cfg.data.subset
+        held = read_source(ev.prompts, cfg.data, cfg.run.seed + 1, ev.split, subset, "eval.prompts", say, fields)
     else:
         rows, held = split_holdout(rows, ev.fraction, cfg.run.seed)
     if ev.max_prompts is not None:

@@ -134,6 +134,9 @@ def test_held_out_rows_by_fraction_or_file(tmp_path):
     train, held = load_run_rows(_cfg(tmp_path, f"eval.prompts={tmp_path / 'e.jsonl'}"), print)
     assert len(train) == 40 and [r["prompt"] for r in held] == ["held"]
     assert load_run_rows(_cfg(tmp_path), print)[1] == []
+    (tmp_path / "aime.jsonl").write_text(json.dumps({"problem": "p", "solution": "7"}) + "\n")  # its own columns
+    own = ["eval.prompt_field=problem", "eval.answer_field=solution", f"eval.prompts={tmp_path / 'aime.jsonl'}"]
+    assert [(r["prompt"], r["answer"]) for r in load_run_rows(_cfg(tmp_path, *own), print)[1]] == [("p", "7")]
     assert split_holdout([{"prompt": "a"}, {"prompt": "b"}], 0.9, 0)[0]  # at least one row stays to train on
 
 
