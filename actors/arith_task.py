@@ -7,10 +7,11 @@ supervised steps on worked solutions, then trained with GRPO and ``builtin:math`
     solution "7+4=11\\n11+3=14\\n...\\n25+2=27\\n\\boxed{27}"  (one line per addition: 45-90 tokens)
     answer   "27"
 
-Measured on the 2-layer, hidden-128 tiny model (char-level tokenizer, batch 32, lr 3e-3): greedy
-accuracy on held-out rows is 0 after 200 supervised steps, 6% after 350, 72% after 450 and 99%
-after 600 (sampled at temperature 1: 5%, 6%, 59%, -): the format is learnt long before the
-sums are, so a short warm-start leaves the arithmetic for reinforcement learning to improve.
+Measured on the 2-layer, hidden-128 tiny model (char-level tokenizer, batch 32, lr 3e-3): the
+format is learnt within 200 supervised steps, the sums between about 400 and 600 (a sharp turn
+whose place depends on the seed: held-out pass@1 at temperature 1 was 0.09 after 400 steps, 0.12
+after 550, 0.81 after 600 and 0.91 after 700). The example warm-starts 600 steps and leaves
+GRPO to sharpen the sampled answers (0.81 -> 0.88 in 80 steps, ``configs/examples/math.yaml``).
 The rows never need the hub and every character is in the tiny model's vocabulary.
 """
 

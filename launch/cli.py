@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("overrides", nargs="*", help="config overrides, key=value")
     exm = sub.add_parser("example", help="run a built-in example end to end (math: SFT warm-start, GRPO, eval)")
     exm.add_argument("name", choices=["math"])
-    exm.add_argument("--sft-steps", type=int, default=400, help="supervised warm-start steps (default 400)")
+    exm.add_argument("--sft-steps", type=int, default=600, help="supervised warm-start steps (default 600)")
     exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
     tr.add_argument("--config", help="YAML config file (with --resume: default the run's own config.yaml)")

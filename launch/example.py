@@ -20,7 +20,7 @@ SFT_ROWS_SEED = 1000  # warm-start rows come from a seed of their own: not the R
 SFT_MARKER = "warm-start.json"
 
 
-def prepare_math_model(root: str | Path, steps: int = 400, seed: int = 0, say: Callable[[str], None] = print) -> Path:
+def prepare_math_model(root: str | Path, steps: int = 600, seed: int = 0, say: Callable[[str], None] = print) -> Path:
     """The warm-started tiny chat model under ``root`` (built once per ``steps`` and ``seed``)."""
     from actors.arith_task import arith_rows
     from actors.tiny_model import TINY_CHAT_TEMPLATE, build_tiny_model
@@ -43,7 +43,7 @@ def prepare_math_model(root: str | Path, steps: int = 400, seed: int = 0, say: C
     return out
 
 
-def run_math_example(overrides: list[str], sft_steps: int = 400) -> int:
+def run_math_example(overrides: list[str], sft_steps: int = 600) -> int:
     from launch.cli import run_training
     from launch.evaluate import run_evaluation
 
