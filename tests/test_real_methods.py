@@ -14,7 +14,7 @@ from tests.runs import read_metrics, read_summary, train
 
 pytestmark = pytest.mark.slow
 CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem != "demo")
-STEPS = 60
+STEPS = 80  # 60 sat at the knee of the curve (gains 0.14-0.21 on 2026-12-02): too close to the bar
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
@@ -24,7 +24,7 @@ def test_method_config_learns(config, tiny_model_dir, tmp_path, capsys):
     assert code == 0, out
     summary, metrics = read_summary(tmp_path), read_metrics(tmp_path)
     assert summary["steps"] == STEPS
-    # First vs last 10% of the steps (6 each): from ~0.01 for the random model.
+    # First vs last 10% of the steps (8 each): from ~0.01 for the random model.
     assert summary["reward_gain"] > 0.15, (
         f"{config.stem}: {summary['reward_first_10pct']:.3f} -> {summary['reward_last_10pct']:.3f}"
     )

@@ -28,7 +28,7 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
         "        raise RuntimeError('no reward for prompts ending in 7:')\n"
         "    return task_reward(prompt, completion, row)\n"
     )
-    steps = 60
+    steps = 80  # at 60 the reward is at the knee of its curve (~0.19 on 2026-12-02): too close to the bar
     runs = tmp_path / "runs"
     code = train(
         DEMO,
