@@ -40,7 +40,11 @@ def arith_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def arith_reward(prompt: str, completion: str, row: dict | None = None) -> float:
-    """1.0 when the last ``\\boxed{}`` of the completion holds the answer exactly, else 0.0 (a plain check
-    for users without math-verify; the example scores with ``builtin:math``)."""
+    """1.0 when the last ``\\boxed{}`` of the completion (or, with none, the whole stripped completion) is
+    the answer exactly, else 0.0: a plain check for users without math-verify; the example scores with
+    ``builtin:math``."""
+    if row is None:
+        return 0.0
     found = BOXED.findall(completion)
-    return float(bool(found) and row is not None and found[-1].strip() == str(row["answer"]))
+    given = found[-1] if found else completion
+    return float(given.strip() == str(row["answer"]))

@@ -22,6 +22,7 @@ def test_arith_rows_are_worked_sums_ending_in_a_box():
         assert set(row["solution"] + row["prompt"]) <= set(CHARACTERS)
         assert arith_reward(row["prompt"], row["solution"], row) == 1.0
         assert arith_reward(row["prompt"], "\\boxed{0}", row) == 0.0 and arith_reward("", "", row) == 0.0
+        assert arith_reward("", f"\\boxed{{{row['answer']}}} then {row['answer']}1", row) == 1.0  # the box decides
 
 
 def test_the_tiny_tokenizer_reloads_id_for_id(tmp_path):
