@@ -46,15 +46,17 @@ async def evaluate_model(cfg: TandemConfig, model_path: str, rows: list[dict], r
         cfg.eval,
         put=lambda requests: prompt_queue.put_many_async(requests, timeout=cfg.run.data_timeout_s),
         render=renderer.token_ids,
-        record=lambda step, metrics: run.eval(step, metrics, eval_line(step, metrics).replace(" after step 0", "")),
+        record=lambda step, metrics: run.eval(step, metrics, eval_line(None, metrics)),
         chunk=P,
     )
 
     async def on_drop(group) -> None:  # nothing is trained, so nothing is stale
         return None
 
-    collector = BatchCollector(results_queue, ActorWatch(loops, run), run, cfg.run.data_timeout_s, on_drop=on_drop)
-    collector.on_eval = evaluator.add
+    watch = ActorWatch(loops, run)
+    collector = BatchCollector(
+        results_queue, watch, run, cfg.run.data_timeout_s, on_drop=on_drop, on_eval=evaluator.add
+    )
     try:
         evaluator.start(0, version=0)
         await collector.drain_eval(lambda: evaluator.pending, cfg.run.data_timeout_s)

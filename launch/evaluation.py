@@ -92,7 +92,9 @@ class Evaluator:
         record: Callable[[int, dict[str, Any]], None],
         chunk: int = 16,
     ):
-        self.rows, self.config, self.put, self.render, self.record = rows, config, put, render, record
+        self.rows, self.config, self.put, self.record = rows, config, put, record
+        self.render = render
+        self._token_ids: list[list[int]] | None = None  # rendered once, at the first round
         self.chunk = chunk
         self.rounds: dict[int, EvalRound] = {}  # by round index
         self.owner: dict[int, int] = {}  # prompt id -> round index
@@ -113,23 +115,29 @@ class Evaluator:
         """Queue one round of the held-out set, generated with weights of at least ``version``."""
         index, m = self.count, len(self.rows)
         self.count += 1
-        ids = [-(1 + index * m + i) for i in range(m)]  # negative: never a training prompt id
+        prompt_ids = [-(1 + index * m + i) for i in range(m)]  # negative: never a training prompt id
         requests = [
             PromptRequest(
                 prompt_id=pid,
                 row=row,
                 min_version=version,
-                prompt_token_ids=self.render(row),
+                prompt_token_ids=ids,
                 purpose="eval",
                 samples=self.config.samples,
                 temperature=self.config.temperature,
                 sample_seed=(1 << 30) + i,  # every round samples row i alike: rounds differ by weights only
             )
-            for i, (pid, row) in enumerate(zip(ids, self.rows))
+            for i, (pid, row, ids) in enumerate(zip(prompt_ids, self.rows, self.token_ids()))
         ]
-        self.rounds[index] = EvalRound(step=step, ids=set(ids))
-        self.owner.update({pid: index for pid in ids})
+        self.rounds[index] = EvalRound(step=step, ids=set(prompt_ids))
+        self.owner.update({pid: index for pid in prompt_ids})
         self.sending.append(asyncio.ensure_future(self._send(requests)))
+
+    def token_ids(self) -> list[list[int]]:
+        """Every held-out prompt's token ids, rendered the first time a round needs them."""
+        if self._token_ids is None:
+            self._token_ids = [self.render(row) for row in self.rows]
+        return self._token_ids
 
     async def _send(self, requests: list[PromptRequest]) -> None:
         for start in range(0, len(requests), self.chunk):  # in pieces: the prompt queue is bounded
@@ -174,12 +182,12 @@ class Evaluator:
             self._finish(index)
 
 
-def eval_line(step: int, metrics: dict[str, Any]) -> str:
-    """The progress line of one round."""
+def eval_line(step: int | None, metrics: dict[str, Any]) -> str:
+    """The progress line of one round (``step`` None: a saved model's, outside a run)."""
     n = metrics.get("eval/samples", 0)
     k = f" | pass@{n} {metrics[f'eval/pass@{n}']:.3f}" if n > 1 else ""
     return (
-        f"eval after step {step}: pass@1 {metrics.get('eval/pass@1', 0):.3f}{k} | reward "
+        f"eval{'' if step is None else f' after step {step}'}: pass@1 {metrics.get('eval/pass@1', 0):.3f}{k} | reward "
         f"{metrics.get('eval/reward_mean', 0):.3f} | length {metrics.get('eval/completion_len_mean', 0):.1f} "
         f"| {metrics.get('eval/prompts', 0)} prompts x {n} in {metrics.get('eval/seconds', 0):.1f}s"
     )

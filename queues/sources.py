@@ -47,15 +47,19 @@ class LoadedRows:
     def dropped_count(self) -> int:
         return sum(len(v) for v in self.dropped.values())
 
-    def report(self, name: str) -> str | None:
-        """One line naming what was dropped, or None when every row is usable."""
-        if not self.dropped:
-            return None
+    def reasons(self) -> str:
+        """Each kind of dropped row: its count and its first row indices."""
         parts = []
         for reason, indices in self.dropped.items():
             shown = ", ".join(str(i) for i in indices[:NAMED]) + (", ..." if len(indices) > NAMED else "")
             parts.append(f"{len(indices)} {reason} (rows {shown})")
-        return f"{name}: skipped {self.dropped_count} of {self.total} rows: " + "; ".join(parts)
+        return "; ".join(parts) or "none"
+
+    def report(self, name: str) -> str | None:
+        """One line naming what was dropped, or None when every row is usable."""
+        if not self.dropped:
+            return None
+        return f"{name}: skipped {self.dropped_count} of {self.total} rows: {self.reasons()}"
 
 
 def load_table(source: str, split: str, subset: str | None, what: str = "data.prompts"):
@@ -180,7 +184,7 @@ def read_rows(
     if len(loaded.rows) * 2 < loaded.total or not loaded.rows:
         raise DatasetError(
             f"{what} {source}: only {len(loaded.rows)} of {loaded.total} rows are usable "
-            f"({loaded.report(what).split(': ', 2)[-1] if loaded.dropped else 'none'}); its columns are: "
+            f"({loaded.reasons()}); its columns are: "
             f"{', '.join(columns)}; check data.prompt_field / data.messages_field"
         )
     line = loaded.report(what)
