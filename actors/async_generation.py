@@ -24,6 +24,7 @@ from actors.scoring import GroupBuilder, Sample
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, ready_report, sampling_params
 from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
 from cluster.logs import redirect_output
+from cluster.timeline import Spans
 from queues.bounded import QueueClosed
 from queues.messages import PromptRequest, TrajectoryGroup
 
@@ -42,6 +43,7 @@ class AsyncGenerationActor:
         redirect_output(spec.log_path)
         self.spec, self.engine = spec, engine
         self.policy = PolicyClock()
+        self.spans = Spans(spec.name, spec.timeline)
         self._update_lock = asyncio.Lock()
 
     async def ready(self) -> dict[str, Any]:
@@ -77,7 +79,7 @@ class AsyncGenerationActor:
         async with self._update_lock:
             if version <= self.policy.version:
                 return self.policy.version
-            start = time.monotonic()
+            start, wall = time.monotonic(), time.time()
             blob = weights_to_bytes(named_tensors)
             await self.engine.pause_generation(mode=mode, clear_cache=True)
             try:
@@ -87,6 +89,7 @@ class AsyncGenerationActor:
             finally:
                 await self.engine.resume_generation()
             self.policy.waited(time.monotonic() - start)
+            self.spans.add("load_weights", wall, time.time(), version)
         return version
 
     async def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float, mode: str = "keep"):
@@ -94,7 +97,8 @@ class AsyncGenerationActor:
         if min_version <= self.policy.version:
             return
         start = time.monotonic()
-        version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)  # off the event loop
+        with self.spans.span("wait_weights", self.policy.version):
+            version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)  # off the event loop
         self.policy.waited(time.monotonic() - start)  # the wait; load_weights counts the load itself
         await self.load_weights(named, version, mode)
 
@@ -137,9 +141,10 @@ class AsyncGenerationActor:
     async def generate_group(self, request: PromptRequest) -> TrajectoryGroup:
         start = time.monotonic()
         n = request.samples or self.spec.rollout.group_size
-        samples = await asyncio.gather(*[self._sample(request) for _ in range(n)])
-        elapsed, wait = time.monotonic() - start, self.policy.take_wait()
-        return await self.builder.group_async(request, list(samples), elapsed, wait)  # scored in the workers
+        with self.spans.span("generate", self.policy.version):  # groups overlap: the report merges them
+            samples = await asyncio.gather(*[self._sample(request) for _ in range(n)])
+            elapsed, wait = time.monotonic() - start, self.policy.take_wait()
+            return await self.builder.group_async(request, list(samples), elapsed, wait)  # scored in the workers
 
     async def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams
@@ -166,6 +171,7 @@ class AsyncGenerationActor:
         async def generate_and_push(request: PromptRequest) -> None:
             nonlocal done_groups
             group = await self.generate_group(request)
+            group.spans = self.spans.take()  # the timeline rides to the driver on the results
             try:
                 await results_queue.put_many_async([group], timeout=timeouts.data_s)
                 done_groups += 1
@@ -193,7 +199,10 @@ class AsyncGenerationActor:
                 intake = asyncio.create_task(
                     prompt_queue.get_batch_async(cap - len(inflight), timeouts.idle_s, self.spec.name)
                 )
+                idle_since = None if inflight else time.time()  # nothing generating: the actor waits idle
                 await asyncio.wait({intake, failed}, return_when=asyncio.FIRST_COMPLETED)
+                if idle_since is not None:
+                    self.spans.add("wait_prompts", idle_since, time.time())
                 if failures:
                     intake.cancel()
                     raise failures[0]
@@ -213,7 +222,12 @@ class AsyncGenerationActor:
             await asyncio.gather(*pending, return_exceptions=True)  # their requests end before the engine does
             self.engine.shutdown()  # stop the engine process now, not in a finaliser at interpreter exit
             self.builder.close()  # and the reward workers
-        return {"name": self.spec.name, "groups": done_groups, "weight_loads": self.policy.loads}
+        return {
+            "name": self.spec.name,
+            "groups": done_groups,
+            "weight_loads": self.policy.loads,
+            "spans": self.spans.take(),
+        }
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()

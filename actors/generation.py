@@ -20,6 +20,7 @@ from actors.scoring import GroupBuilder, Sample
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, ready_report, request_params
 from cluster.channel import WeightReceiver
 from cluster.logs import redirect_output
+from cluster.timeline import Spans
 from queues.bounded import QueueClosed
 from queues.messages import PromptRequest, TrajectoryGroup
 
@@ -46,6 +47,7 @@ class GenerationActor:
             spec.name, scorer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), spec.step_delimiter
         )
         self.policy = PolicyClock()
+        self.spans = Spans(spec.name, spec.timeline)
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         print(
             f"[{spec.name}] engine ready (pid {os.getpid()}, {spec.model_path}, {spec.dtype}, "
@@ -68,9 +70,11 @@ class GenerationActor:
         """Load the newest published weights; wait (up to ``timeout``) until version >= ``min_version``."""
         start = time.monotonic()
         if self.policy.wants(channel.latest_version(), min_version):
-            version, named = channel.fetch(min_version, timeout)
+            with self.spans.span("wait_weights", self.policy.version):
+                version, named = channel.fetch(min_version, timeout)
             if version > self.policy.version:
-                self.load_weights(named, version)
+                with self.spans.span("load_weights", version):
+                    self.load_weights(named, version)
         self.policy.waited(time.monotonic() - start)
 
     # --- generation ----------------------------------------------------------------
@@ -119,18 +123,26 @@ class GenerationActor:
         groups_done = 0
         try:
             while True:
-                requests = prompt_queue.get_batch(per_call, timeouts.idle_s, self.spec.name)  # woken by a put/close
+                with self.spans.span("wait_prompts"):
+                    requests = prompt_queue.get_batch(per_call, timeouts.idle_s, self.spec.name)  # woken by put/close
                 if not requests:
                     continue
                 self.sync_weights(channel, max(r.min_version for r in requests), timeouts.weights_s)
-                groups = self.generate(requests)
+                with self.spans.span("generate", self.policy.version):
+                    groups = self.generate(requests)
+                groups[0].spans = self.spans.take()  # the timeline rides to the driver on the results
                 results_queue.put_many(groups, timeout=timeouts.data_s)
                 groups_done += len(groups)
         except QueueClosed:
             pass  # the run is over
         finally:
             self.builder.close()  # the reward workers end with the loop
-        return {"name": self.spec.name, "groups": groups_done, "weight_loads": self.policy.loads}
+        return {
+            "name": self.spec.name,
+            "groups": groups_done,
+            "weight_loads": self.policy.loads,
+            "spans": self.spans.take(),
+        }
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()

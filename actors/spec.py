@@ -30,6 +30,7 @@ class ActorSpec:
     log_path: str | None = None  # this process's output file
     step_delimiter: str | None = None  # set for process supervision: one reward per reasoning step
     reward_model_actors: tuple[str, ...] = ()  # Ray names of the reward model actors (reward.model)
+    timeline: bool = True  # record spans for RUN_DIR/timeline.jsonl (run.timeline)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ def generation_actor(cfg: TandemConfig, model_path: str, run: RunLog, scheduling
         log_path=run.log_path(name),
         step_delimiter=cfg.algorithm.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
         reward_model_actors=tuple(reward_model_names(cfg, run)),
+        timeline=cfg.run.timeline,
     )
     return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
 
@@ -211,7 +212,7 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
     workers = [
         ray.remote(LearnerWorker)
         .options(**ray_options(kind, env, scheduling[name] if scheduling else None))
-        .remote(r % world, world, log)
+        .remote(r % world, world, log, name)
         for r, (name, log) in enumerate(zip(names, logs))
     ]
     master_addr, master_port = await workers[0].rendezvous_address.remote()
@@ -224,6 +225,7 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
         cfg.rollout.max_tokens,
         roles,
         total_updates=cfg.run.steps * cfg.algorithm.updates_per_batch,
+        timeline=cfg.run.timeline,
     )
     setups = [w.setup.remote(master_addr, master_port, spec) for w in workers]
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)

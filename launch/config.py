@@ -87,6 +87,11 @@ class RunConfig(Section):
         "stops cleanly before it runs out.",
     )
     private: bool = Field(True, description="Create the run directory readable by its owner only (mode 0700).")
+    timeline: bool = Field(
+        True,
+        description="Record what every actor and learner rank does when (spans) into timeline.jsonl, for "
+        "`tandem report` (costs well under 1% of a step).",
+    )
 
     @field_validator("time_limit")
     @classmethod

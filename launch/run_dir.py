@@ -3,9 +3,10 @@
 ``runs/<name>-<timestamp>/`` holds ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one line per step, with the prompt ids it trained on), ``samples.jsonl``
 (a few completions per step), ``eval.jsonl`` (one line per evaluation round,
-``launch/evaluation.py``), ``tb/`` (TensorBoard event files), ``logs/<process>.log`` (every
-actor's and learner rank's output), ``processes.json`` (each process's pid and node),
-``checkpoints/`` (``launch/checkpoints.py``), ``model/`` (the trained policy) and, at the end,
+``launch/evaluation.py``), ``timeline.jsonl`` (every process's spans, ``cluster/timeline.py``),
+``tb/`` (TensorBoard event files), ``logs/<process>.log`` (every actor's and learner rank's
+output), ``processes.json`` (each process's pid and node), ``checkpoints/``
+(``launch/checkpoints.py``), ``model/`` (the trained policy) and, at the end,
 ``summary.json``. ``RunLog`` also prints the live progress line.
 
 A resumed run reopens its directory: the lines of steps after the checkpoint it resumes from
@@ -59,6 +60,7 @@ class RunLog:
         self._metrics = (root / "metrics.jsonl").open("a", buffering=1)
         self._samples = (root / "samples.jsonl").open("a", buffering=1)
         self._eval = (root / "eval.jsonl").open("a", buffering=1)
+        self._timeline = (root / "timeline.jsonl").open("a")  # spans come in bursts: flushed per step
         self.first_step = first_step
         self.processes: dict[str, dict[str, Any]] = {}
         self._tb = None
@@ -102,6 +104,10 @@ class RunLog:
         for record in records:
             self._samples.write(json.dumps(record) + "\n")
 
+    def timeline(self, spans: list[dict[str, Any]]) -> None:
+        """Append spans (``cluster/timeline.py``) to ``timeline.jsonl``."""
+        self._timeline.writelines(json.dumps(span) + "\n" for span in spans)
+
     def log_path(self, process: str) -> str:
         return str((self.logs / f"{process}.log").resolve())
 
@@ -121,6 +127,7 @@ class RunLog:
         eta = pace * (self.total_steps - done)
         record = {"step": step, "elapsed_s": round(elapsed, 3), **metrics}
         self._metrics.write(json.dumps(record) + "\n")
+        self._timeline.flush()
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
@@ -147,5 +154,6 @@ class RunLog:
         self._metrics.close()
         self._samples.close()
         self._eval.close()
+        self._timeline.close()
         if self._tb is not None:
             self._tb.close()

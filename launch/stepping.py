@@ -129,6 +129,7 @@ class BatchCollector:
         max_filtered: int | None = None,
         on_filter: Callable[[TrajectoryGroup], Awaitable] | None = None,
         on_eval: Callable[[TrajectoryGroup], None] = lambda group: None,
+        on_spans: Callable[[list], None] = lambda spans: None,
     ):
         self.queue, self.run = results_queue, run
         self.timeout, self.on_drop, self.accept = timeout, on_drop, accept
@@ -136,6 +137,15 @@ class BatchCollector:
         # dynamic sampling: up to ``max_filtered`` zero-variance groups a step are left out (None: off)
         self.max_filtered, self.on_filter = max_filtered, on_filter
         self.on_eval = on_eval  # an evaluation group: scored for the held-out metrics, never trained on
+        self.on_spans = on_spans  # the actors' timeline spans that rode on the groups (RunLog.timeline)
+
+    def _arrived(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        spans = [span for group in groups for span in group.spans]
+        if spans:
+            self.on_spans(spans)
+        for group in groups:
+            group.spans = []
+        return groups
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
         start = time.monotonic()
@@ -157,7 +167,7 @@ class BatchCollector:
                 await self.actors.ended(loop)  # raises, or replaces the actor
             if not got.done():
                 continue
-            groups, got = got.result(), None
+            groups, got = self._arrived(got.result()), None
             for group in groups:
                 if group.purpose == "eval":
                     self.on_eval(group)
@@ -190,7 +200,7 @@ class BatchCollector:
             await asyncio.wait({got, *self.actors.loops}, return_when=asyncio.FIRST_COMPLETED)
             for loop in [loop for loop in self.actors.loops if loop.done()]:
                 await self.actors.ended(loop)
-            for group in await got:
+            for group in self._arrived(await got):
                 if group.purpose == "eval":
                     self.on_eval(group)
 

@@ -29,6 +29,7 @@ from actors.spec import ActorTimeouts
 from cluster.channel import WeightsTimeout
 from cluster.dist_channel import WeightPushError
 from cluster.placement import reserve
+from cluster.timeline import Spans
 from launch.build import await_actors, build_generation_actors, build_learner_group, generation_actor, start_ray
 from launch.checkpoints import CheckpointError, CheckpointStore
 from launch.config import TandemConfig, parse_duration
@@ -232,6 +233,7 @@ async def train(
             max_filtered=int((cfg.algorithm.max_oversample - 1) * P) if filtering else None,
             on_filter=on_filter,
             on_eval=evaluator.add,
+            on_spans=run.timeline,
         )
         said_oversample = False
         step_s = 0.0
@@ -242,8 +244,9 @@ async def train(
                 evaluator.check_sending()
                 if stop.requested or stop.time_is_short(step_s, progress.checkpoint_s):
                     break
-                t0 = time.monotonic()
+                t0, wall = time.monotonic(), time.time()
                 batch = await collect_or_stop(collector, step)
+                driver_spans.add("wait_data", wall, time.time(), step)
                 if batch is None:
                     break
                 if batch.oversample_reached and not said_oversample:
@@ -259,7 +262,7 @@ async def train(
                 for group in batch.groups:
                     ledger.trained(group.prompt_id)
                 health.check(step, batch.groups, learner_metrics)
-                await learner.publish_weights(step + 1)
+                run.timeline(await learner.publish_weights(step + 1) + driver_spans.take())
                 await pace.advance(step + 1)  # policy version step + 1 is now on the channel
                 step_s = time.monotonic() - t0
                 metrics = step_metrics(batch, learner_metrics, step_s)
@@ -302,10 +305,11 @@ async def train(
         os.replace(partial, final)
         run.say(f"model: {final} (Hugging Face format, step {progress.done})")
 
+    driver_spans = Spans("driver", cfg.run.timeline)  # the learner's wait for each batch
     rollout = asyncio.create_task(rollout_loop())
     try:
         if first:  # the actors generate with the resumed policy, version `first` (a distributed
-            await learner.publish_weights(first)  # receiver joins when its actor takes a first prompt)
+            run.timeline(await learner.publish_weights(first))  # receiver joins when its actor takes a prompt)
         await training_loop()
         progress.stopped = stop.reason
         await finish()
@@ -342,6 +346,9 @@ async def train(
     except asyncio.TimeoutError:
         run.say(f"some actors did not stop within {cfg.run.weights_timeout_s:.0f}s; shutting them down")
         finals = [f"did not stop within {cfg.run.weights_timeout_s:.0f}s"] * len(loops)
+    for final in finals:  # the spans an actor recorded after its last pushed group
+        if isinstance(final, dict):
+            run.timeline(final.pop("spans", []))
     progress.details = {
         "actors": [f if isinstance(f, dict) else repr(f) for f in finals],
         "placement": run.placement,

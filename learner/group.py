@@ -172,9 +172,11 @@ class LearnerGroup:
         ``names``; returns the receiver each actor fetches from, in order."""
         return await self.workers[0].open_weight_publisher.remote(weights, names, connect_timeout_s)
 
-    async def publish_weights(self, version: int) -> None:
-        """Every rank exports (ZeRO-3 gathers); rank 0 publishes ``version`` on the channel."""
-        await asyncio.gather(*[w.publish_weights.remote(version) for w in self.workers])
+    async def publish_weights(self, version: int) -> list[dict]:
+        """Every rank exports (ZeRO-3 gathers); rank 0 publishes ``version`` on the channel.
+        Returns the policy ranks' timeline spans of the step (``cluster/timeline.py``)."""
+        per_rank = await asyncio.gather(*[w.publish_weights.remote(version) for w in self.workers])
+        return [span for spans in per_rank for span in spans or []]
 
     async def close_weight_channel(self) -> None:
         await self.workers[0].close_weight_publisher.remote()

@@ -24,6 +24,7 @@ from typing import Any
 from cluster.channel import WeightPublisher, WeightReceiver, open_weight_publisher
 from cluster.config import WeightsConfig
 from cluster.logs import redirect_output
+from cluster.timeline import Spans
 from learner import saving
 from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
@@ -45,6 +46,7 @@ class RankSpec:
     max_tokens: int  # rollout.max_tokens: L_max of fixed-length aggregation
     roles: tuple[str, ...] = ("policy",)  # policy / critic / reference
     total_updates: int = 0  # optimizer updates in the run (the schedule's decay length; 0: no decay)
+    timeline: bool = True  # record spans for RUN_DIR/timeline.jsonl (run.timeline)
 
 
 def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
@@ -86,10 +88,11 @@ def enable_gradient_checkpointing(model) -> None:
 class LearnerWorker:
     """A learner rank: created, asked for a rendezvous address (rank 0), then ``setup`` on all ranks."""
 
-    def __init__(self, rank: int, world_size: int, log_path: str | None = None):
+    def __init__(self, rank: int, world_size: int, log_path: str | None = None, name: str | None = None):
         redirect_output(log_path)
         self.rank, self.world_size = rank, world_size
         self.publisher: WeightPublisher | None = None
+        self.spans = Spans(name or f"learner-{rank}")  # returned by publish_weights, once a step
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0's answer becomes every rank's MASTER_ADDR/PORT."""
@@ -108,6 +111,7 @@ class LearnerWorker:
         import ray
         import torch
 
+        self.spans.enabled = spec.timeline
         cuda = torch.cuda.is_available()
         # chosen before joining the group: a forced kernel that cannot run here fails at once, in one line
         attention = select_attention(spec.learner.attention, cuda, cuda and flash_attn_importable(), spec.dtype)
@@ -197,16 +201,20 @@ class LearnerWorker:
 
     # --- one training step (learner/rank.py) ----------------------------------------------
     def score(self, shard: RankShard):
-        return self.step.score(shard)
+        with self.spans.span("score"):
+            return self.step.score(shard)
 
     def summarise(self, kl_beta: float, *imports):
-        return self.step.summarise(kl_beta, *imports)
+        with self.spans.span("advantages"):
+            return self.step.summarise(kl_beta, *imports)
 
     def expand(self, per_sequence):
-        return self.step.expand(per_sequence)
+        with self.spans.span("advantages"):
+            return self.step.expand(per_sequence)
 
     def train(self, whitening, kl_beta: float, *imports):
-        return self.step.train(whitening, kl_beta, *imports)
+        with self.spans.span("train"):
+            return self.step.train(whitening, kl_beta, *imports)
 
     def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed completion under the current policy (for checks and tests)."""
@@ -263,12 +271,18 @@ class LearnerWorker:
         self.publisher = open_weight_publisher(weights, len(names), connect_timeout_s)
         return self.publisher.receivers(names)
 
-    def publish_weights(self, version: int) -> None:
+    def publish_weights(self, version: int) -> list[dict]:
         """Every rank (gathering ZeRO-3 shards is a collective); rank 0 publishes, and raises
-        (``WeightPushError`` on the distributed channel) naming any actor that missed the deadline."""
-        named = self.export_weights(copy=False)  # publish copies them out before returning
-        if self.rank == 0:
-            self.publisher.publish(version, named)
+        (``WeightPushError`` on the distributed channel) naming any actor that missed the deadline.
+        Returns this rank's spans of the step, each marked with the ``version`` it produced."""
+        with self.spans.span("publish"):
+            named = self.export_weights(copy=False)  # publish copies them out before returning
+            if self.rank == 0:
+                self.publisher.publish(version, named)
+        spans = self.spans.take()
+        for span in spans:
+            span["version"] = version
+        return spans
 
     def close_weight_publisher(self) -> None:
         if self.publisher is not None:

@@ -9,7 +9,7 @@ token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,7 @@ class TrajectoryGroup:
     generate_seconds: float = 0.0  # wall time of the generate call that produced it
     weight_wait_s: float = 0.0  # time its actor spent waiting for/loading weights since its previous group
     purpose: str = "train"  # copied from its request: "eval" groups are scored, never trained on
+    spans: list = field(default_factory=list)  # its actor's spans since its previous push (cluster/timeline.py)
 
     @property
     def oldest_version(self) -> int:

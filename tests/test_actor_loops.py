@@ -86,7 +86,14 @@ def test_sync_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close
     results.close_now()
     loop.join(5)
     assert not loop.is_alive()  # closing the queues ended the loop at once
+    final_spans = out.pop("spans")
     assert out == {"name": "actor-0", "groups": 2, "weight_loads": 1}
+    # the timeline rides on the groups: what the actor did before each push, with the version it held
+    assert [(s["kind"], s["version"]) for s in first.spans] == [("wait_prompts", None), ("generate", 0)]
+    kinds = [(s["kind"], s["version"]) for s in second.spans]
+    assert kinds == [("wait_prompts", None), ("wait_weights", 0), ("load_weights", 1), ("generate", 1)]
+    assert all(s["process"] == "actor-0" and s["start"] <= s["end"] for s in first.spans + second.spans)
+    assert [s["kind"] for s in final_spans] == ["wait_prompts"]  # the wait the closed queue ended
     assert len(first.trajectories) == 3 and all(t.reward == 1.0 for t in first.trajectories)  # echo "5" -> "5"
     assert [t.policy_versions.tolist() for t in first.trajectories] == [[0]] * 3
     assert [t.policy_versions.tolist() for t in second.trajectories] == [[1]] * 3  # loaded before generating
@@ -163,6 +170,10 @@ def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token():
     for traj in group.trajectories:
         assert traj.policy_versions.tolist() == [0, 0, 0, 1, 1, 1]  # tokens after the swap carry version 1
         assert traj.finish_reason == "length"
+    # the swap happened inside the group's generate span: the timeline shows the overlap
+    spans = {s["kind"]: s for s in group.spans}
+    assert spans["generate"]["version"] == 0 and spans["load_weights"]["version"] == 1
+    assert spans["generate"]["start"] <= spans["load_weights"]["start"] <= spans["generate"]["end"]
 
 
 class BrokenChannel:
