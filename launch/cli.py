@@ -321,6 +321,20 @@ def _add_launchers(sub) -> None:
     sb.add_argument("overrides", nargs="*", help="config overrides, key=value")
 
 
+def _add_tuning(sub) -> None:
+    rp = sub.add_parser("report", help="write report.html (curves, staleness, TIS, idle, timeline) of run directories")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
+    rp.add_argument("--out", help="directory for report.html and the figures' PNGs (default: RUN_DIR/report)")
+    rp.add_argument("--trace", action="store_true", help="also write trace.json (Chrome / Perfetto) of the timeline")
+    tu = sub.add_parser("tune", help="probe staleness, weight-update mode and actor:learner split; recommend one")
+    tu.add_argument("--config", required=True, help="YAML config of the job to tune")
+    tu.add_argument("--steps", type=int, default=8, help="training steps per probed setting (default 8)")
+    tu.add_argument("--out", help="YAML file of the recommended overrides (default: tune-<name>.yaml)")
+    tu.add_argument("--staleness", default="0,1,2,4", help="max_staleness values to probe (default 0,1,2,4)")
+    tu.add_argument("--modes", default="between_requests,inflight", help="rollout.weight_update modes to probe")
+    tu.add_argument("overrides", nargs="*", help="config overrides for every probe, key=value")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous actor-learner RL for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -347,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--config", required=True, help="YAML config: its eval, data, reward, rollout and engine")
     ev.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. eval.samples=8)")
     _add_launchers(sub)
+    _add_tuning(sub)
     args = parser.parse_args(argv)
 
     try:
@@ -388,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
             from launch.evaluate import run_evaluation
 
             return run_evaluation(args.config, args.model, args.overrides)
+        if args.command == "report":
+            from launch.report import run_report
+
+            return run_report(args.run_dirs, args.out, args.trace)
+        if args.command == "tune":
+            from launch.tune import run_tune
+
+            return run_tune(args.config, args.overrides, args.steps, args.out, args.staleness, args.modes)
         config = DEMO_CONFIG if args.command == "demo" else args.config
         resume = getattr(args, "resume", None)
         if config is None and resume is None:
