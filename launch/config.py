@@ -74,6 +74,9 @@ class RunConfig(Section):
         description="Also write the policy as a Hugging Face model into the checkpoint every N steps (0: never).",
     )
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    save_final: bool = Field(
+        True, description="Checkpoint and write model/ at the end of the run (`tandem tune`'s short probes do not)."
+    )
     log_samples: int = Field(4, ge=0, description="Completions per step written to samples.jsonl.")
     max_restarts: int = Field(
         0, ge=0, description="Times a failed run resumes by itself from its newest checkpoint (a dead learner rank...)."

@@ -296,6 +296,9 @@ async def train(
         if progress.done == 0:
             run.say("stopped before the first step: nothing to checkpoint")
             return
+        if not cfg.run.save_final:
+            run.say(f"not saved (run.save_final: false): {progress.done} steps trained")
+            return
         if checkpoint_due():
             await checkpoint()
         partial, final = run.root / ".partial-model", run.root / "model"
