@@ -112,7 +112,7 @@ async def _train_with_signals(cfg, run, rows, model_path, stop, resume, eval_row
 
 
 def run_training(
-    config_path: str | Path | None, overrides: list[str], resume_dir: str | None = None, result: dict | None = None
+    config_path: str | Path | list | None, overrides: list[str], resume_dir: str | None = None, result: dict | None = None
 ) -> int:
     """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists."""
     from actors.rewards import check_rewards
@@ -345,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     exm.add_argument("--sft-steps", type=int, default=600, help="supervised warm-start steps (default 600)")
     exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
-    tr.add_argument("--config", help="YAML config file (with --resume: default the run's own config.yaml)")
+    tr.add_argument(
+        "--config",
+        action="append",
+        help="YAML config file (with --resume: default the run's own config.yaml); several are merged in order",
+    )
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
     tr.add_argument("--address", help="join this Ray cluster (host:port or 'auto') instead of starting a local Ray")
     tr.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. learner.lr=3e-4)")

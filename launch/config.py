@@ -251,19 +251,32 @@ def _section_of(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TandemConfig:
-    """Read a YAML config, apply ``key=value`` overrides, validate; raise ``ConfigError`` on any problem."""
+def _read_tree(p: Path) -> dict:
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass an existing YAML file to --config")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(tree).__name__}")
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, section by section (a later file's keys win)."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | list | None, overrides: list[str] | None = None) -> TandemConfig:
+    """Read a YAML config (or several, merged in order: e.g. a job and the overrides ``tandem tune``
+    wrote), apply ``key=value`` overrides, validate; raise ``ConfigError`` on any problem."""
     tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass an existing YAML file to --config")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(tree).__name__}")
+    for p in [] if path is None else path if isinstance(path, list) else [path]:
+        tree = _merge(tree, _read_tree(Path(p)))
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     try:

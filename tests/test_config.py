@@ -68,3 +68,18 @@ def test_readme_config_reference_is_in_sync():
     assert block.group(1).strip() == config_reference().strip(), (
         "README config reference is stale: regenerate it with `python -m launch.docs`"
     )
+
+
+def test_several_config_files_merge_in_order(tmp_path):
+    """`tandem train --config job.yaml --config tune.yaml`: the later file's keys win, section by section."""
+    job, tune = tmp_path / "job.yaml", tmp_path / "tune.yaml"
+    job.write_text(
+        "model: {path: m}\ndata: {prompts: p.jsonl}\nreward: {function: builtin:echo}\n"
+        "run:\n  steps: 7\n  max_staleness: 1\nrollout:\n  group_size: 4\n"
+    )
+    tune.write_text("run:\n  max_staleness: 2\nrollout:\n  weight_update: inflight\n")
+    cfg = load_config([str(job), str(tune)], ["run.seed=3"])
+    assert (cfg.run.steps, cfg.run.max_staleness, cfg.run.seed) == (7, 2, 3)
+    assert (cfg.rollout.group_size, cfg.rollout.weight_update) == (4, "inflight")
+    with pytest.raises(ConfigError, match="missing.yaml does not exist"):
+        load_config([str(job), str(tmp_path / "missing.yaml")])
