@@ -1,0 +1,129 @@
+"""The tuner's choice, on two synthetic workloads, and its settings grid (``launch/tune.py``).
+
+A workload here is the seconds one step's generation and training take on one process each.
+Its measurements follow the pipeline's arithmetic: generation splits over the actors and
+training over the learner ranks; at k = 0 a step is generation then training, at k >= 1 the two
+overlap and a step takes the longer of them; each version of staleness adds off-policy error.
+(The real probe, on the real stack, is ``tests/test_real_tune_report.py``.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from launch.config import load_config
+from launch.tune import Measurement, Setting, Thresholds, probe_settings, recommend, splits, table
+
+BASE = [
+    "model.path=m",
+    "data.prompts=p.jsonl",
+    "reward.function=builtin:echo",
+]
+
+
+def config(actors: int = 2, ranks: int = 2, **cpus):
+    extra = [f"resources.{kind}.num_cpus={n}" for kind, n in cpus.items()]
+    return load_config(None, [*BASE, f"resources.actors.count={actors}", f"resources.learner.ranks={ranks}", *extra])
+
+
+@dataclass(frozen=True)
+class Workload:
+    generate_s: float  # one step's generation on one actor
+    train_s: float  # one step's training on one rank
+    tokens: int = 1000  # trained tokens per step
+
+    def measure(self, s: Setting) -> Measurement:
+        gen, train = self.generate_s / s.actors, self.train_s / s.ranks
+        step = gen + train if s.max_staleness == 0 else max(gen, train)
+        learner_wait = gen if s.max_staleness == 0 else max(gen - train, 0.0)
+        actor_wait = train if s.max_staleness == 0 else max(train - gen, 0.0)
+        return Measurement(
+            s,
+            tokens_per_s=self.tokens / step,
+            learner_idle=learner_wait / step,
+            actor_idle=actor_wait / step,
+            mismatch_kl=0.002 * s.max_staleness,
+            tis_truncated_frac=0.004 * s.max_staleness,
+        )
+
+
+def probe(workload: Workload, cfg, ks=(0, 1, 2, 4)) -> list[Measurement]:
+    return [workload.measure(s) for s in probe_settings(cfg, list(ks), ["between_requests", "inflight"])]
+
+
+def test_splits_keep_what_the_config_reserves():
+    assert splits(config(2, 2)) == [(1, 3), (2, 2), (3, 1)]
+    assert splits(config(1, 1)) == [(1, 1)]  # the demo's two cores: one split
+    assert splits(config(1, 1, learner=2)) == [(1, 1)]  # a rank costs 2 of the 3 CPUs
+    assert splits(config(2, 1, learner=2)) == [(2, 1)]
+
+
+def test_the_grid_skips_inflight_updates_at_k0():
+    settings = probe_settings(config(1, 1), [0, 1, 2], ["between_requests", "inflight"])
+    assert [(s.max_staleness, s.weight_update) for s in settings] == [
+        (0, "between_requests"),
+        (1, "between_requests"),
+        (1, "inflight"),
+        (2, "between_requests"),
+        (2, "inflight"),
+    ]
+    assert Setting(2, "inflight", 1, 3).overrides() == [
+        "run.max_staleness=2",
+        "rollout.weight_update=inflight",
+        "resources.actors.count=1",
+        "resources.learner.ranks=3",
+    ]
+
+
+def test_where_generation_dominates_it_gives_generation_more_actors():
+    rec = recommend(probe(Workload(generate_s=6.0, train_s=1.0), config(2, 2)))
+    assert rec.setting.actors == 3 and rec.setting.ranks == 1  # more actors than the 2 configured
+    assert rec.setting.max_staleness >= 1  # generation overlaps training
+    assert "Generation dominates" in rec.reason and "synchronous" in rec.reason
+
+
+def test_where_training_dominates_it_gives_the_learner_the_cores():
+    rec = recommend(probe(Workload(generate_s=1.0, train_s=6.0), config(2, 2)))
+    assert rec.setting.actors == 1 and rec.setting.ranks == 3  # fewer actors than the 2 configured
+    assert rec.setting.max_staleness <= 1  # and no more staleness than the overlap needs
+    assert "Training dominates" in rec.reason
+
+
+def test_with_one_split_a_gain_within_the_noise_keeps_k_small():
+    """Training dominates so much that overlapping generation gains under 10%: k = 0 stays."""
+    rec = recommend(probe(Workload(generate_s=0.3, train_s=6.0), config(1, 1)))
+    assert (rec.setting.max_staleness, rec.setting.weight_update) == (0, "between_requests")
+    # generation dominates as much: overlap pays, and the smallest k that gives it is chosen
+    rec = recommend(probe(Workload(generate_s=6.0, train_s=3.0), config(1, 1)))
+    assert (rec.setting.max_staleness, rec.setting.weight_update) == (1, "between_requests")
+
+
+def test_a_setting_over_the_thresholds_is_never_recommended_however_fast():
+    measured = probe(Workload(generate_s=6.0, train_s=3.0), config(1, 1))
+    for m in measured:
+        if m.setting.max_staleness >= 1:
+            m.mismatch_kl = 0.5  # far off-policy
+    rec = recommend(measured)
+    assert rec.setting.max_staleness == 0
+    rendered = table(rec, Thresholds())
+    assert rendered.row_count == len(measured)
+
+
+def test_failed_probes_and_no_eligible_setting_give_no_recommendation():
+    failed = [Measurement(Setting(0, "between_requests", 1, 1), error="out of memory")]
+    assert recommend(failed).setting is None and "failed" in recommend(failed).reason
+    far = [Measurement(Setting(1, "inflight", 1, 1), tokens_per_s=10.0, dropped_frac=0.9)]
+    assert recommend(far).setting is None and "--staleness" in recommend(far).reason
+
+
+@pytest.mark.parametrize("bad", [["--staleness", "0,x"], ["--modes", "sometimes"], ["--steps", "2"]])
+def test_bad_tune_arguments_fail_in_one_line(bad, tmp_path, capsys):
+    from launch.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {path: m}\ndata: {prompts: p.jsonl}\nreward: {function: builtin:echo}\n")
+    assert main(["tune", "--config", str(job), *bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tandem: error: --")
