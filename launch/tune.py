@@ -140,14 +140,15 @@ def measure(setting: Setting, run_dir: str) -> Measurement:
     from launch.run_stats import load_run, run_summary
 
     s = run_summary(load_run(run_dir))
+    number = lambda key: float(s.get(key) or 0.0)  # noqa: E731  (None: not recorded, e.g. TIS off)
     return Measurement(
         setting,
-        tokens_per_s=s["trained_tokens_per_s"],
-        learner_idle=s["learner_idle"],
-        actor_idle=s["actor_idle"],
-        dropped_frac=s["dropped_stale"] / max(s["groups"], 1),
-        tis_truncated_frac=s["tis_truncated_frac"],
-        mismatch_kl=s["tis_mismatch_kl"],
+        tokens_per_s=number("trained_tokens_per_s"),
+        learner_idle=number("learner_idle"),
+        actor_idle=number("actor_idle"),
+        dropped_frac=number("dropped_stale") / max(number("groups"), 1.0),
+        tis_truncated_frac=number("tis_truncated_frac"),
+        mismatch_kl=number("tis_mismatch_kl"),
         run_dir=run_dir,
     )
 
