@@ -219,7 +219,7 @@ def table(rec: Recommendation, limits: Thresholds) -> Any:
     for m in rec.measurements:
         mark = "<- recommended" if m.setting == rec.setting else ""
         if m.error is not None:
-            t.add_row(m.setting.label, "-", "-", "-", "-", "-", "-", f"failed: {m.error[:60]}")
+            t.add_row(m.setting.label, "-", "-", "-", "-", "-", "-", "failed (below)")
             continue
         note = "; ".join(m.over(limits)) or mark
         t.add_row(
@@ -250,7 +250,9 @@ def _probe(config: str, overrides: list[str], setting: Setting, steps: int, root
         "run.checkpoint_every=0",
         "run.max_restarts=0",
         "run.timeline=true",
-        "eval.enabled=false",
+        "eval.prompts=null",  # no evaluation rounds: they would share the actors with the probe
+        "eval.fraction=0",
+        "eval.every=0",
     ]
     result: dict[str, Any] = {}
     log = root / f"{name}.log"
@@ -290,7 +292,7 @@ def run_tune(config: str, overrides: list[str], steps: int, out: str | None, sta
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     root = Path(cfg.run.output_dir) / f"tune-{cfg.run.name}-{stamp}"
     root.mkdir(parents=True)
-    console = Console(file=sys.stdout)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 132)  # a log keeps the table whole
     console.print(f"tandem tune: {len(settings)} settings x {steps} steps; probe runs in {root}")
     measured, limits = [], Thresholds()
     for i, setting in enumerate(settings, 1):
@@ -304,6 +306,9 @@ def run_tune(config: str, overrides: list[str], steps: int, out: str | None, sta
         )
     rec = recommend(measured, limits)
     console.print(table(rec, limits))
+    for m in measured:
+        if m.error is not None:
+            console.print(f"{m.setting.label} failed: {m.error}", soft_wrap=True)
     (root / "tune.json").write_text(
         json.dumps({"thresholds": asdict(limits), "measurements": [asdict(m) for m in measured]}, indent=1)
     )
