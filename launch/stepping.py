@@ -250,6 +250,35 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
     }
 
 
+STALENESS_SAMPLE = 65536  # at most this many per-token staleness values a step reach the histograms
+
+
+def step_distributions(batch: Batch) -> dict[str, np.ndarray]:
+    """The step's distributions for the trackers' histograms: per-token staleness, each completion's
+    reward and each completion's length in tokens."""
+    trajs = [t for g in batch.groups for t in g.trajectories]
+    return {
+        "hist/staleness": staleness_sample(batch.staleness, STALENESS_SAMPLE),
+        "hist/reward": np.array([t.reward for t in trajs], dtype=np.float64),
+        "hist/completion_len": np.array([len(t.completion_token_ids) for t in trajs], dtype=np.int64),
+    }
+
+
+def staleness_sample(counts: collections.Counter, cap: int) -> np.ndarray:
+    """Per-token staleness values from the ``{age: tokens}`` histogram: all of them up to ``cap``
+    tokens, else ``cap`` in proportion (largest remainders), every age seen at least once so the
+    maximum shows. {0: 3M, 1: 1M, 5: 10}, cap 1000 -> 750 x 0, 250 x 1, 1 x 5."""
+    ages = np.array(sorted(counts), dtype=np.int64)
+    tokens = np.array([counts[a] for a in ages.tolist()], dtype=np.int64)
+    total = int(tokens.sum())
+    if total > cap:
+        share = tokens * cap / total
+        kept = np.floor(share).astype(np.int64)
+        kept[np.argsort(kept - share)[: cap - int(kept.sum())]] += 1  # the largest remainders round up
+        tokens = np.maximum(kept, 1)
+    return np.repeat(ages, tokens)
+
+
 def reward_part_means(trajs: list) -> dict[str, float]:
     """``reward/<name>``: the mean raw value of each reward part over the step's completions."""
     values: dict[str, list[float]] = {}
