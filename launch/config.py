@@ -19,6 +19,8 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from actors.config import EngineConfig, RewardConfig, RolloutConfig
 from cluster.config import ResourcesConfig, WeightsConfig
+from launch.trackers import CHOICES as TRACKER_CHOICES
+from launch.trackers import RUN_FILES, check_trackers
 from learner.config import AlgorithmConfig, LearnerConfig
 from queues.config import DataConfig, Section
 
@@ -95,6 +97,29 @@ class RunConfig(Section):
         description="Record what every actor and learner rank does when (spans) into timeline.jsonl, for "
         "`tandem report` (costs well under 1% of a step).",
     )
+    trackers: list[str] = Field(
+        default_factory=lambda: [RUN_FILES, "tensorboard"],
+        description=f"Where metrics go, from {', '.join(TRACKER_CHOICES)}: jsonl (metrics/samples/eval.jsonl in "
+        "the run directory, required: the report, the tuner and resume read them), tensorboard (RUN_DIR/tb: "
+        "scalars, staleness/reward/length histograms, sample completions), wandb (Weights & Biases, RUN_DIR/wandb; "
+        "pip install 'tandem-rl[wandb]'). On the command line: run.trackers=[jsonl,tensorboard,wandb].",
+    )
+    wandb_project: str = Field("tandem", description="W&B project of the run (run.trackers has wandb).")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: W&B writes RUN_DIR/wandb only (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it "
+        "later); online: streams to the W&B server and needs a login (`wandb login` or WANDB_API_KEY).",
+    )
+    live: bool = Field(
+        True,
+        description="In a terminal, a live view at the bottom (progress bar, ETA, latest numbers) instead of a "
+        "line a step; without a terminal (a pipe, a file, CI, Ray job logs) the plain lines either way.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers(cls, names: list[str]) -> list[str]:
+        return check_trackers(names)
 
     @field_validator("time_limit")
     @classmethod

@@ -4,13 +4,15 @@
 ``metrics.jsonl`` (one line per step, with the prompt ids it trained on), ``samples.jsonl``
 (a few completions per step), ``eval.jsonl`` (one line per evaluation round,
 ``launch/evaluation.py``), ``timeline.jsonl`` (every process's spans, ``cluster/timeline.py``),
-``tb/`` (TensorBoard event files), ``logs/<process>.log`` (every actor's and learner rank's
-output), ``processes.json`` (each process's pid and node), ``checkpoints/``
-(``launch/checkpoints.py``), ``model/`` (the trained policy) and, at the end,
-``summary.json``. ``RunLog`` also prints the live progress line.
+``tb/`` (TensorBoard event files) and ``wandb/`` (W&B's files) as ``run.trackers`` asks
+(``launch/trackers.py``), ``logs/<process>.log`` (every actor's and learner rank's output),
+``processes.json`` (each process's pid and node), ``checkpoints/`` (``launch/checkpoints.py``),
+``model/`` (the trained policy) and, at the end, ``summary.json``. ``RunLog`` also shows the
+progress: a line a step, or the live view in a terminal (``launch/live.py``).
 
 A resumed run reopens its directory: the lines of steps after the checkpoint it resumes from
-are dropped (those steps are trained again) and TensorBoard purges them too.
+are dropped (those steps are trained again), TensorBoard purges them too, and W&B continues
+the same run (its id is in ``wandb-run-id``).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
+from launch.config import RunConfig
+from launch.live import StepStatus, build_view, format_seconds
+from launch.trackers import Tracker, TrackerContext, build_trackers
 
-def format_seconds(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+__all__ = ["RunLog", "format_seconds"]  # format_seconds: launch/cli.py takes it from here
+SAMPLE_COLUMNS = ["prompt", "completion", "reward", "staleness"]  # the samples table in the trackers
 
 
 def _keep_steps_before(path: Path, step: int) -> None:
@@ -47,10 +50,25 @@ def _keep_steps_before(path: Path, step: int) -> None:
 
 
 class RunLog:
-    def __init__(self, root: Path, total_steps: int, stream=None, first_step: int = 0):
+    """The run directory while a run trains: its JSONL record, the trackers (``run.trackers``) and
+    the progress the user sees (``run.live``). ``settings`` is the run section (default: read from
+    ``config``, the resolved config saved as config.yaml); ``view`` replaces the progress display."""
+
+    def __init__(
+        self,
+        root: Path,
+        total_steps: int,
+        stream=None,
+        first_step: int = 0,
+        settings: RunConfig | None = None,
+        config: dict[str, Any] | None = None,
+        view=None,
+    ):
         self.root = root
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
+        settings = settings or RunConfig.model_validate((config or {}).get("run") or {})
+        self.view = view or build_view(self.stream, settings.live, total_steps)
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -63,20 +81,28 @@ class RunLog:
         self._timeline = (root / "timeline.jsonl").open("a")  # spans come in bursts: flushed per step
         self.first_step = first_step
         self.processes: dict[str, dict[str, Any]] = {}
-        self._tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(root / "tb"), purge_step=first_step or None)
-        except ImportError:  # tensorboard is a dependency; a broken install still trains
-            self.say("tensorboard is not importable; metrics go to metrics.jsonl only")
+        context = TrackerContext(
+            root=root,
+            config=config or {},
+            first_step=first_step,
+            project=settings.wandb_project,
+            mode=settings.wandb_mode,
+            say=self.say,
+        )
+        self.trackers: dict[str, Tracker] = build_trackers(settings.trackers, context)
         self.start = time.monotonic()
         self.first_step_at: float | None = None
         self.placement: dict[str, str] = {}  # process name -> Ray node id
 
     @classmethod
     def create(
-        cls, output_dir: str, name: str, config: dict[str, Any], total_steps: int, private: bool = False
+        cls,
+        output_dir: str,
+        name: str,
+        config: dict[str, Any],
+        total_steps: int,
+        private: bool = False,
+        settings: RunConfig | None = None,
     ) -> RunLog:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         root = Path(output_dir) / f"{name}-{stamp}"
@@ -86,13 +112,15 @@ class RunLog:
             suffix += 1
         root.mkdir(parents=True, mode=0o700 if private else 0o777)  # 0o777 less the umask
         (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        return cls(root, total_steps)
+        return cls(root, total_steps, settings=settings, config=config)
 
     @classmethod
-    def reopen(cls, root: Path, config: dict[str, Any], total_steps: int, first_step: int) -> RunLog:
+    def reopen(
+        cls, root: Path, config: dict[str, Any], total_steps: int, first_step: int, settings: RunConfig | None = None
+    ) -> RunLog:
         """A resumed run: the same directory, continued at ``first_step``."""
         (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        return cls(root, total_steps, first_step=first_step)
+        return cls(root, total_steps, first_step=first_step, settings=settings, config=config)
 
     def process(self, name: str, info: dict[str, Any]) -> None:
         """Record a started process (pid, node) in ``processes.json``."""
@@ -101,8 +129,12 @@ class RunLog:
         (self.root / "processes.json").write_text(json.dumps(self.processes, indent=1))
 
     def samples(self, records: list[dict[str, Any]]) -> None:
+        """A step's sample completions (``sample_records``): ``samples.jsonl`` and a table in each tracker."""
         for record in records:
             self._samples.write(json.dumps(record) + "\n")
+        if records:
+            rows = [[r.get(column) for column in SAMPLE_COLUMNS] for r in records]
+            self._track(lambda t: t.table(records[0]["step"], "samples", SAMPLE_COLUMNS, rows))
 
     def timeline(self, spans: list[dict[str, Any]]) -> None:
         """Append spans (``cluster/timeline.py``) to ``timeline.jsonl``."""
@@ -112,10 +144,11 @@ class RunLog:
         return str((self.logs / f"{process}.log").resolve())
 
     def say(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+        self.view.say(text)
 
-    def step(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record one step's metrics (JSONL + TensorBoard) and print the progress line."""
+    def step(self, step: int, metrics: dict[str, Any], distributions: dict[str, np.ndarray] | None = None) -> None:
+        """Record one step's metrics (JSONL + trackers), its distributions (``step_distributions``:
+        histograms in the trackers) and show the progress."""
         now = time.monotonic()
         if self.first_step_at is None:
             self.first_step_at = now
@@ -128,32 +161,50 @@ class RunLog:
         record = {"step": step, "elapsed_s": round(elapsed, 3), **metrics}
         self._metrics.write(json.dumps(record) + "\n")
         self._timeline.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
-        self.say(
+        self._track(lambda t: t.scalars(step, _numbers(metrics)))
+        if distributions:
+            self._track(lambda t: t.histograms(step, distributions))
+        line = (
             f"step {done:>4}/{self.total_steps} | reward {metrics['reward_mean']:.3f} | "
             f"{metrics['tokens_per_s']:>7.0f} tok/s | staleness {metrics['staleness_mean']:.2f} "
             f"(max {metrics['staleness_max']}) | {format_seconds(elapsed)} elapsed, ETA {format_seconds(eta)}"
         )
+        self.view.step(StepStatus(done, self.total_steps, elapsed, eta, metrics, now), line)
 
     def eval(self, step: int, metrics: dict[str, Any], line: str) -> None:
-        """Record one evaluation round, made after ``step`` steps (``eval.jsonl`` + TensorBoard), and say ``line``."""
+        """Record one evaluation round, made after ``step`` steps (``eval.jsonl`` + trackers), and say ``line``."""
         self._eval.write(json.dumps({"step": step, "elapsed_s": round(time.monotonic() - self.start, 3), **metrics}))
         self._eval.write("\n")
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
-        self.say(line)
+        self._track(lambda t: t.scalars(step, _numbers(metrics)))
+        self.view.eval(metrics, line)
+
+    def _track(self, call) -> None:
+        """``call(tracker)`` for each tracker; one that fails is told once and left out from then on
+        (a tracker must not stop the training: metrics.jsonl has everything)."""
+        for name, tracker in list(self.trackers.items()):
+            try:
+                call(tracker)
+            except Exception as exc:
+                del self.trackers[name]
+                self.say(f"tracker {name} failed ({type(exc).__name__}: {exc}); it is off for the rest of the run")
 
     def close(self, summary: dict[str, Any] | None) -> None:
-        if summary is not None:
-            (self.root / "summary.json").write_text(json.dumps(summary, indent=2))
-        self._metrics.close()
-        self._samples.close()
-        self._eval.close()
-        self._timeline.close()
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            if summary is not None:
+                (self.root / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._metrics.close()
+            self._samples.close()
+            self._eval.close()
+            self._timeline.close()
+            for name, tracker in self.trackers.items():
+                try:
+                    tracker.close()
+                except Exception as exc:  # its data is flushed or lost; the run's own files are whole
+                    self.say(f"tracker {name} did not close cleanly ({type(exc).__name__}: {exc})")
+        finally:
+            self.view.close()  # the terminal back whatever happened
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The scalar metrics (lists and histograms such as ``prompt_ids`` or ``staleness_hist`` stay in the JSONL)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}

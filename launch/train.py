@@ -38,7 +38,15 @@ from launch.health import RunHealth
 from launch.ledger import PromptLedger
 from launch.plan import build_plan
 from launch.run_dir import RunLog
-from launch.stepping import ActorFailed, BatchCollector, DataTimeout, Pace, sample_records, step_metrics
+from launch.stepping import (
+    ActorFailed,
+    BatchCollector,
+    DataTimeout,
+    Pace,
+    sample_records,
+    step_distributions,
+    step_metrics,
+)
 from launch.stopping import StopRequest
 from launch.supervise import ActorPool
 from queues.bounded import build_queue
@@ -272,7 +280,7 @@ async def train(
                     duplicates=batch.duplicates,
                     actor_restarts=pool.total_restarts,
                 )
-                run.step(step, metrics)
+                run.step(step, metrics, step_distributions(batch))
                 run.samples(sample_records(batch, step, cfg.run.log_samples))
                 progress.done = step + 1
                 if evaluator.due(progress.done, steps):
