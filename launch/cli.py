@@ -112,7 +112,10 @@ async def _train_with_signals(cfg, run, rows, model_path, stop, resume, eval_row
 
 
 def run_training(
-    config_path: str | Path | list | None, overrides: list[str], resume_dir: str | None = None, result: dict | None = None
+    config_path: str | Path | list | None,
+    overrides: list[str],
+    resume_dir: str | None = None,
+    result: dict | None = None,
 ) -> int:
     """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists."""
     from actors.rewards import check_rewards

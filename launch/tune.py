@@ -250,6 +250,7 @@ def _probe(config: str, overrides: list[str], setting: Setting, steps: int, root
         "run.checkpoint_every=0",
         "run.max_restarts=0",
         "run.timeline=true",
+        "run.trackers=[jsonl]",  # no TensorBoard files or W&B runs per probe
         "eval.prompts=null",  # no evaluation rounds: they would share the actors with the probe
         "eval.fraction=0",
         "eval.every=0",
