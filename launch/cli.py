@@ -332,9 +332,12 @@ def _add_tuning(sub) -> None:
     tu = sub.add_parser("tune", help="probe staleness, weight-update mode and actor:learner split; recommend one")
     tu.add_argument("--config", required=True, help="YAML config of the job to tune")
     tu.add_argument("--steps", type=int, default=8, help="training steps per probed setting (default 8)")
-    tu.add_argument("--out", help="YAML file of the recommended overrides (default: tune-<name>.yaml)")
+    tu.add_argument("--out", help="YAML file of the recommended overrides (default: TUNE_DIR/overrides.yaml)")
     tu.add_argument("--staleness", default="0,1,2,4", help="max_staleness values to probe (default 0,1,2,4)")
     tu.add_argument("--modes", default="between_requests,inflight", help="rollout.weight_update modes to probe")
+    tu.add_argument("--max-tis-truncated", type=float, default=0.05, help="threshold: TIS truncated share (0.05)")
+    tu.add_argument("--max-mismatch-kl", type=float, default=0.02, help="threshold: sampler/learner KL (0.02)")
+    tu.add_argument("--max-dropped", type=float, default=0.10, help="threshold: dropped-stale per group (0.10)")
     tu.add_argument("overrides", nargs="*", help="config overrides for every probe, key=value")
 
 
@@ -415,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_report(args.run_dirs, args.out, args.trace)
         if args.command == "tune":
-            from launch.tune import run_tune
+            from launch.tune import Thresholds, run_tune
 
-            return run_tune(args.config, args.overrides, args.steps, args.out, args.staleness, args.modes)
+            limits = Thresholds(args.max_tis_truncated, args.max_mismatch_kl, args.max_dropped)
+            return run_tune(args.config, args.overrides, args.steps, args.out, args.staleness, args.modes, limits)
         config = DEMO_CONFIG if args.command == "demo" else args.config
         resume = getattr(args, "resume", None)
         if config is None and resume is None:

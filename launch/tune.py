@@ -260,8 +260,8 @@ def _probe(config: str, overrides: list[str], setting: Setting, steps: int, root
     try:
         with log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             code = run_training(config, trial, result=result)
-        if code != 0:
-            raise RuntimeError(f"stopped early (exit code {code})")
+        if code != 0:  # a signal (Ctrl-C, SIGTERM) stopped the probe cleanly: the user wants to stop
+            raise KeyboardInterrupt
         return measure(setting, result["run_dir"])
     except KeyboardInterrupt:
         raise
@@ -277,7 +277,15 @@ def _numbers(text: str, what: str) -> list[int]:
         raise ConfigError(f"--{what} {text!r}: give comma-separated whole numbers, e.g. 0,1,2,4") from None
 
 
-def run_tune(config: str, overrides: list[str], steps: int, out: str | None, staleness: str, modes: str) -> int:
+def run_tune(
+    config: str,
+    overrides: list[str],
+    steps: int,
+    out: str | None,
+    staleness: str,
+    modes: str,
+    limits: Thresholds = Thresholds(),
+) -> int:
     """The ``tandem tune`` command: probe, print the table and the recommendation, write the overrides."""
     from rich.console import Console
 
@@ -291,14 +299,20 @@ def run_tune(config: str, overrides: list[str], steps: int, out: str | None, sta
         raise ConfigError("--modes takes between_requests and/or inflight, --staleness values >= 0")
     settings = probe_settings(cfg, sorted(set(ks)), mode_list)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    root = Path(cfg.run.output_dir) / f"tune-{cfg.run.name}-{stamp}"
+    root, suffix = Path(cfg.run.output_dir) / f"tune-{cfg.run.name}-{stamp}", 1
+    while root.exists():  # two tunes started in the same second
+        root, suffix = Path(cfg.run.output_dir) / f"tune-{cfg.run.name}-{stamp}-{suffix}", suffix + 1
     root.mkdir(parents=True)
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 132)  # a log keeps the table whole
     console.print(f"tandem tune: {len(settings)} settings x {steps} steps; probe runs in {root}")
-    measured, limits = [], Thresholds()
+    measured = []
     for i, setting in enumerate(settings, 1):
         console.print(f"probe {i}/{len(settings)}: {setting.label} ...")
-        m = _probe(config, overrides, setting, steps, root, i)
+        try:
+            m = _probe(config, overrides, setting, steps, root, i)
+        except KeyboardInterrupt:
+            console.print(f"interrupted: the recommendation is of the {len(measured)} finished probe(s)")
+            break
         measured.append(m)
         console.print(
             f"  failed: {m.error}"

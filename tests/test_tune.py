@@ -9,7 +9,9 @@ overlap and a step takes the longer of them; each version of staleness adds off-
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +129,46 @@ def test_bad_tune_arguments_fail_in_one_line(bad, tmp_path, capsys):
     assert main(["tune", "--config", str(job), *bad]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("tandem: error: --")
+
+
+def test_the_command_probes_in_turn_survives_a_failed_probe_and_stops_on_ctrl_c(tmp_path, monkeypatch, capsys):
+    """``run_tune`` end to end with each probe's training replaced by a written run directory:
+    a probe that raises is a table row, a probe stopped by a signal ends the probing, and the
+    recommendation and its overrides file come from the probes that finished."""
+    import launch.cli
+    from launch.tune import run_tune
+    from tests.report_runs import write_run
+
+    calls = []
+
+    def fake_training(config, overrides, result=None):
+        calls.append(overrides)
+        values = dict(o.split("=", 1) for o in overrides)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory\nmore detail")
+        if len(calls) == 3:
+            return 130  # Ctrl-C: the probe stopped cleanly
+        result["run_dir"] = str(write_run(Path(values["run.output_dir"]) / values["run.name"]))
+        return 0
+
+    monkeypatch.setattr(launch.cli, "run_training", fake_training)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{path: m}}\ndata: {{prompts: p.jsonl}}\nreward: {{function: builtin:echo}}\n"
+                   f"run: {{output_dir: {tmp_path / 'runs'}}}\n")  # fmt: skip
+    strict = Thresholds()  # the synthetic run truncates 10% and drops 25%: over the defaults
+    assert run_tune(str(job), [], 4, None, "0", "between_requests", strict) == 1
+    assert "no recommendation: no probed setting kept" in capsys.readouterr().out
+    calls.clear()
+    lenient = Thresholds(tis_truncated_frac=0.2, dropped_frac=0.5)
+    assert run_tune(str(job), [], 4, None, "0,1,2,4", "between_requests", lenient) == 0
+    printed = capsys.readouterr().out
+    assert len(calls) == 3  # the fourth setting was never probed
+    assert all("run.save_final=false" in c and "run.steps=4" in c and "eval.every=0" in c for c in calls)
+    assert "k=1, between requests, 1:1 failed: out of memory; log:" in printed
+    assert "interrupted: the recommendation is of the 2 finished probe(s)" in printed
+    root = max((tmp_path / "runs").glob("tune-run-*"), key=lambda p: p.stat().st_mtime)
+    measured = json.loads((root / "tune.json").read_text())["measurements"]
+    assert [m["error"] is None for m in measured] == [True, False]
+    assert measured[0]["tokens_per_s"] > 0
+    cfg = load_config([str(job), str(root / "overrides.yaml")])
+    assert (cfg.run.max_staleness, cfg.resources.actors.count) == (0, 1)
