@@ -43,16 +43,34 @@ def clip(intervals: Iterable[Interval], window: Interval) -> list[Interval]:
 
 def subtract(intervals: Iterable[Interval], holes: Iterable[Interval]) -> list[Interval]:
     """``intervals`` minus ``holes``: ``[(0, 10)] - [(2, 3), (5, 6)] -> [(0, 2), (3, 5), (6, 10)]``."""
-    out, holes = [], union(holes)
-    for start, end in union(intervals):
-        for h_start, h_end in holes:
-            if h_end <= start or h_start >= end:
-                continue
+    out, holes, first = [], union(holes), 0
+    for start, end in union(intervals):  # both sorted: one sweep, O(n + m)
+        while first < len(holes) and holes[first][1] <= start:
+            first += 1  # holes that end before this interval end before every later one
+        for h_start, h_end in holes[first:]:
+            if h_start >= end:
+                break
             if h_start > start:
                 out.append((start, h_start))
             start = max(start, h_end)
         if end > start:
             out.append((start, end))
+    return out
+
+
+def window_totals(intervals: list[Interval], windows: list[Interval]) -> list[float]:
+    """The length of sorted, disjoint ``intervals`` inside each of the sorted, disjoint ``windows``
+    (one sweep over both: a long run's thousands of steps stay linear)."""
+    out, first = [], 0
+    for lo, hi in windows:
+        while first < len(intervals) and intervals[first][1] <= lo:
+            first += 1
+        length = 0.0
+        for start, end in intervals[first:]:
+            if start >= hi:
+                break
+            length += min(end, hi) - max(start, lo)
+        out.append(length)
     return out
 
 
@@ -125,12 +143,24 @@ def step_windows(spans: list[dict[str, Any]]) -> dict[int, Interval]:
 
 def actor_idle_per_step(spans: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
     """``(steps, fractions)``: the actors' mean idle fraction inside each step window."""
+    windows = sorted(step_windows(spans).items())
+    per_lane = []  # each actor lane's idle share of every window, None where the lane is absent
+    for process, lane in lanes(spans).items():
+        if not process.startswith("actor") or not any(s["kind"] in WAIT_KINDS for s in lane):
+            continue
+        lo, hi = extent(lane)
+        waits = merge_intervals(s for s in lane if s["kind"] in WAIT_KINDS)
+        idle = subtract(waits, merge_intervals(s for s in lane if s["kind"] not in WAIT_KINDS))
+        clipped = [(max(a, lo), min(b, hi)) for _, (a, b) in windows]
+        lengths = [max(b - a, 0.0) for a, b in clipped]
+        idle_s = window_totals(idle, [w for _, w in windows])
+        per_lane.append([i / n if n > 0 else None for i, n in zip(idle_s, lengths)])
     steps, values = [], []
-    for step, window in sorted(step_windows(spans).items()):
-        idle = [f for p, f in idle_fractions(spans, window).items() if p.startswith("actor")]
-        if idle:
+    for index, (step, _) in enumerate(windows):
+        shares = [lane[index] for lane in per_lane if lane[index] is not None]
+        if shares:
             steps.append(step)
-            values.append(sum(idle) / len(idle))
+            values.append(sum(shares) / len(shares))
     return steps, values
 
 

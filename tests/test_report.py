@@ -20,6 +20,7 @@ from launch.timeline_stats import (
     merge_intervals,
     step_windows,
     subtract,
+    window_totals,
 )
 from launch.trace import write_trace
 from tests.report_runs import T0, spans, write_run
@@ -34,6 +35,9 @@ def test_interval_union_and_difference():
     assert merge_intervals({"start": s, "end": e} for s, e in pairs) == [(0, 4), (5, 6)]
     assert subtract([(0, 10)], [(2, 3), (5, 6), (9, 12)]) == [(0, 2), (3, 5), (6, 9)]
     assert subtract([(0, 1), (4, 5)], [(0.5, 4.5)]) == [(0, 0.5), (4.5, 5)]
+    assert subtract([(0, 2), (3, 4), (6, 8)], [(1, 3.5), (7, 9)]) == [(0, 1), (3.5, 4), (6, 7)]
+    # per-window lengths in one sweep: an interval across a window edge counts on both sides
+    assert window_totals([(0, 1), (2, 5), (9, 10)], [(0, 3), (3, 6), (6, 9.5)]) == [2.0, 2.0, 0.5]
 
 
 def test_busy_fractions_merge_overlapping_generation():
