@@ -199,10 +199,12 @@ class AsyncGenerationActor:
                 intake = asyncio.create_task(
                     prompt_queue.get_batch_async(cap - len(inflight), timeouts.idle_s, self.spec.name)
                 )
-                idle_since = None if inflight else time.time()  # nothing generating: the actor waits idle
+                # the whole wait is recorded, also beside running generations: the report counts as
+                # idle only the part no generate span covers (the last groups of a step finish, then
+                # the actor waits for the next step's prompts)
+                waiting = time.time()
                 await asyncio.wait({intake, failed}, return_when=asyncio.FIRST_COMPLETED)
-                if idle_since is not None:
-                    self.spans.add("wait_prompts", idle_since, time.time())
+                self.spans.add("wait_prompts", waiting, time.time())
                 if failures:
                     intake.cancel()
                     raise failures[0]

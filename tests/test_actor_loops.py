@@ -174,6 +174,10 @@ def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token():
     spans = {s["kind"]: s for s in group.spans}
     assert spans["generate"]["version"] == 0 and spans["load_weights"]["version"] == 1
     assert spans["generate"]["start"] <= spans["load_weights"]["start"] <= spans["generate"]["end"]
+    # the intake that began while the group generated went on after it finished: the actor's idle
+    # wait for more prompts is on the timeline (the report subtracts the part beside generation)
+    (last_wait,) = [s for s in stats["spans"] if s["kind"] == "wait_prompts"]
+    assert last_wait["start"] <= spans["generate"]["end"] < last_wait["end"]
 
 
 class BrokenChannel:
