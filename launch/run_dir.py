@@ -163,7 +163,8 @@ class RunLog:
         self._timeline.flush()
         self._track(lambda t: t.scalars(step, _numbers(metrics)))
         if distributions:
-            self._track(lambda t: t.histograms(step, distributions))
+            finite = {k: v[np.isfinite(v)] for k, v in ((k, np.asarray(v, float)) for k, v in distributions.items())}
+            self._track(lambda t: t.histograms(step, finite))  # a NaN reward must not switch a tracker off
         line = (
             f"step {done:>4}/{self.total_steps} | reward {metrics['reward_mean']:.3f} | "
             f"{metrics['tokens_per_s']:>7.0f} tok/s | staleness {metrics['staleness_mean']:.2f} "

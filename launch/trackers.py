@@ -24,6 +24,7 @@ RUN_FILES = "jsonl"  # the run directory's own record, always on (RunLog writes 
 WANDB_MISSING = (
     "run.trackers has wandb but the wandb package is not installed; pip install 'tandem-rl[wandb]' or drop it"
 )
+WANDB_FINISH_TIMEOUT_S = 120.0  # and its end, which uploads what is left
 WANDB_INIT_TIMEOUT_S = 60.0  # W&B's start (its service, the server in online mode) may hang: never longer
 MAX_UNIT_BUCKETS = 64  # integer values over a narrower range get one histogram bucket each
 HIST_BINS = 32  # otherwise, equal-width buckets
@@ -128,6 +129,7 @@ class WandbTracker:
     round finishes steps after the one it scores; a resumed run logs its steps again)."""
 
     def __init__(self, ctx: TrackerContext):
+        self.root = ctx.root
         try:
             import wandb
         except ImportError:
@@ -187,7 +189,17 @@ class WandbTracker:
         self.run.log({"step": step, name: self.wandb.Table(columns=columns, data=rows)})
 
     def close(self) -> None:
-        self.run.finish()
+        """Finish the W&B run within ``WANDB_FINISH_TIMEOUT_S`` (online, it waits for its uploads)."""
+        import threading
+
+        done = threading.Thread(target=self.run.finish, daemon=True, name="wandb-finish")
+        done.start()
+        done.join(WANDB_FINISH_TIMEOUT_S)
+        if done.is_alive():
+            raise TimeoutError(
+                f"W&B did not finish within {WANDB_FINISH_TIMEOUT_S:.0f}s; the run's data is in {self.root / 'wandb'}: "
+                f"upload it with `wandb sync {self.root / 'wandb' / '*run-*'}`"
+            )
 
 
 TRACKERS: dict[str, Callable[[TrackerContext], Tracker]] = {
