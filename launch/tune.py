@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import typing
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from actors.config import RolloutConfig
 from launch.config import ConfigError, TandemConfig, load_config
 from launch.plan import build_plan
 
@@ -129,8 +131,8 @@ def probe_settings(cfg: TandemConfig, staleness: list[int], modes: list[str]) ->
     for actors, ranks in splits(cfg):
         for k in staleness:
             for mode in modes:
-                if mode == "inflight" and k == 0 and len(modes) > 1:
-                    continue  # at k = 0 the actors are idle while the learner trains: nothing to swap mid-flight
+                if mode != modes[0] and k == 0:
+                    continue  # at k = 0 the modes are one: the actors idle while the learner trains
                 out.append(Setting(k, mode, actors, ranks))
     return out
 
@@ -158,13 +160,18 @@ def _calmness(m: Measurement) -> tuple:
     return (s.max_staleness, s.weight_update == "inflight", s.actors)
 
 
-def _baseline(measured: list[Measurement]) -> Measurement | None:
-    """The synchronous probe (k = 0) of the configured-or-first split: what the speed-ups are against."""
+def _baseline(measured: list[Measurement], configured: tuple[int, int] | None) -> Measurement | None:
+    """The synchronous probe (k = 0) of the configured split (else the calmest one): what the
+    speed-ups are against, and where the bottleneck is read."""
     sync = [m for m in measured if m.error is None and m.setting.max_staleness == 0]
-    return min(sync, key=_calmness) if sync else None
+    own = [m for m in sync if (m.setting.actors, m.setting.ranks) == configured]
+    return min(own or sync, key=_calmness) if sync else None
 
 
-def recommend(measured: list[Measurement], limits: Thresholds = Thresholds()) -> Recommendation:
+def recommend(
+    measured: list[Measurement], limits: Thresholds = Thresholds(), configured: tuple[int, int] | None = None
+) -> Recommendation:
+    """``configured``: the job's own (actors, learner ranks), the baseline's split."""
     ok = [m for m in measured if m.error is None and m.tokens_per_s > 0]
     if not ok:
         return Recommendation(None, "every probe failed; see the errors in the table and the probes' logs", measured)
@@ -178,7 +185,7 @@ def recommend(measured: list[Measurement], limits: Thresholds = Thresholds()) ->
     fastest = max(eligible, key=lambda m: m.tokens_per_s)
     tied = [m for m in eligible if m.tokens_per_s >= (1 - limits.margin) * fastest.tokens_per_s]
     chosen = min(tied, key=_calmness)
-    return Recommendation(chosen.setting, explain(chosen, fastest, _baseline(ok), limits), measured)
+    return Recommendation(chosen.setting, explain(chosen, fastest, _baseline(ok, configured), limits), measured)
 
 
 def explain(chosen: Measurement, fastest: Measurement, base: Measurement | None, limits: Thresholds) -> str:
@@ -294,9 +301,15 @@ def run_tune(
     cfg = load_config(config, overrides)
     ks = _numbers(staleness, "staleness")
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in mode_list if m not in ("between_requests", "inflight")]
-    if bad or not mode_list or not ks or min(ks) < 0:
-        raise ConfigError("--modes takes between_requests and/or inflight, --staleness values >= 0")
+    known = typing.get_args(RolloutConfig.model_fields["weight_update"].annotation)
+    bad = [m for m in mode_list if m not in known] or ([] if mode_list else [modes])
+    if bad:
+        raise ConfigError(f"--modes {','.join(bad)!r}: give one or more of {', '.join(known)}, comma-separated")
+    if not ks or min(ks) < 0:
+        raise ConfigError(f"--staleness {staleness!r}: give whole numbers >= 0, e.g. 0,1,2,4")
+    path = Path(out) if out else None
+    if path is not None and not path.parent.is_dir():
+        raise ConfigError(f"--out {path}: the directory {path.parent} does not exist; create it or pick another")
     settings = probe_settings(cfg, sorted(set(ks)), mode_list)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     root, suffix = Path(cfg.run.output_dir) / f"tune-{cfg.run.name}-{stamp}", 1
@@ -319,7 +332,7 @@ def run_tune(
             if m.error
             else f"  {m.tokens_per_s:,.0f} tokens/s, learner idle {m.learner_idle:.0%}, actor idle {m.actor_idle:.0%}"
         )
-    rec = recommend(measured, limits)
+    rec = recommend(measured, limits, (cfg.resources.actors.count, cfg.resources.learner.ranks))
     console.print(table(rec, limits))
     for m in measured:
         if m.error is not None:
@@ -330,8 +343,8 @@ def run_tune(
     if rec.setting is None:
         console.print(f"no recommendation: {rec.reason}")
         return 1
-    path = Path(out) if out else root / "overrides.yaml"
-    path.write_text(f"# tandem tune, {stamp}: {rec.reason}\n" + yaml.safe_dump(rec.setting.tree(), sort_keys=False))
     console.print(f"recommended: {rec.reason}")
+    path = path or root / "overrides.yaml"
+    path.write_text(f"# tandem tune, {stamp}: {rec.reason}\n" + yaml.safe_dump(rec.setting.tree(), sort_keys=False))
     console.print(f"overrides: {path}\ntrain with: tandem train --config {config} --config {path}")
     return 0

@@ -86,6 +86,13 @@ def test_where_generation_dominates_it_gives_generation_more_actors():
     assert "Generation dominates" in rec.reason and "synchronous" in rec.reason
 
 
+def test_the_speedup_is_against_the_configured_split():
+    measured = probe(Workload(generate_s=6.0, train_s=1.0), config(2, 2))
+    rec = recommend(measured, configured=(2, 2))
+    assert "synchronous training (k=0, between requests, 2:2)" in rec.reason
+    assert "synchronous training (k=0, between requests, 1:3)" in recommend(measured).reason  # no split given
+
+
 def test_where_training_dominates_it_gives_the_learner_the_cores():
     rec = recommend(probe(Workload(generate_s=1.0, train_s=6.0), config(2, 2)))
     assert rec.setting.actors == 1 and rec.setting.ranks == 3  # fewer actors than the 2 configured
@@ -120,7 +127,9 @@ def test_failed_probes_and_no_eligible_setting_give_no_recommendation():
     assert recommend(far).setting is None and "--staleness" in recommend(far).reason
 
 
-@pytest.mark.parametrize("bad", [["--staleness", "0,x"], ["--modes", "sometimes"], ["--steps", "2"]])
+@pytest.mark.parametrize(
+    "bad", [["--staleness", "0,x"], ["--modes", "sometimes"], ["--steps", "2"], ["--out", "/no/such/dir/o.yaml"]]
+)
 def test_bad_tune_arguments_fail_in_one_line(bad, tmp_path, capsys):
     from launch.cli import main
 
