@@ -63,7 +63,8 @@ CURVES: list[tuple[str, str, str, Callable[[list[RunData]], Figure | None], str]
     ("idle", "Idle time", "Learner: learner_wait_s / step_seconds, the share of a step spent waiting for a batch. "
      "Actors: the share of each step window spent in wait_prompts or wait_weights while nothing generates "
      "(from the timeline).", figures.idle_figure, ""),
-    ("throughput", "Throughput", "Trained tokens per second of step.", figures.throughput_figure,
+    ("throughput", "Throughput", "Prompt + completion tokens per second of step (the table's trained tokens/s, "
+     "what `tandem tune` compares, counts the completion tokens the loss trains on).", figures.throughput_figure,
      "no tokens_per_s in metrics.jsonl"),
 ]  # fmt: skip
 TIMELINE_TEXT = (
@@ -128,7 +129,8 @@ def summary_table(runs: list[RunData]) -> str:
         ("run", "name", ""), ("status", "status", ""), ("steps", "steps", ""), ("method", "method", ""),
         ("max staleness", "max_staleness", ""), ("weight update", "weight_update", ""),
         ("actors / learner ranks", "split", ""), ("start-up s", "startup_s", ""), ("mean step s", "mean_step_s", ""),
-        ("tokens/s", "tokens_per_s", ""), ("learner idle", "learner_idle", "%"), ("actor idle", "actor_idle", "%"),
+        ("tokens/s (all)", "tokens_per_s", ""), ("trained tokens/s", "trained_tokens_per_s", ""),
+        ("learner idle", "learner_idle", "%"), ("actor idle", "actor_idle", "%"),
         ("final reward", "reward_final", ""), ("final pass@1", "eval_pass1_final", ""),
     ]  # fmt: skip
     rows = []

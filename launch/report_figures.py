@@ -189,7 +189,7 @@ def idle_figure(runs: list[RunData]) -> Figure:
 
 
 def throughput_figure(runs: list[RunData]) -> Figure | None:
-    """Trained tokens (prompt + completion) per second of step."""
+    """Tokens (prompt + completion) per second of step."""
     if not _has(runs, "tokens_per_s"):
         return None
     fig, axes = _figure(1, 1, 3.6, "Throughput")
