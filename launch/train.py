@@ -293,6 +293,7 @@ async def train(
         finally:
             evaluator.give_up()
             collector.close()
+            run.timeline(driver_spans.take())  # the wait of a step that did not train (a stop, an error)
 
     def checkpoint_due() -> bool:
         """Steps were trained since the newest checkpoint."""
