@@ -49,6 +49,22 @@ def _keep_steps_before(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def _keep_spans_before(path: Path, version: int) -> None:
+    """A resumed run's timeline: keep the spans up to the learner's publication of ``version`` (the
+    checkpoint's step); later ones, of steps trained again, and torn lines (a killed run) go."""
+    if not path.is_file():
+        return
+    spans = []
+    for line in path.read_text().splitlines():
+        try:
+            spans.append(json.loads(line))
+        except ValueError:
+            continue
+    published = [s["end"] for s in spans if s.get("kind") == "publish" and s.get("version") == version]
+    cut = max(published, default=float("inf"))
+    path.write_text("".join(json.dumps(s) + "\n" for s in spans if s.get("start", 0) < cut))
+
+
 class RunLog:
     """The run directory while a run trains: its JSONL record, the trackers (``run.trackers``) and
     the progress the user sees (``run.live``). ``settings`` is the run section (default: read from
@@ -75,6 +91,8 @@ class RunLog:
             _keep_steps_before(root / name, first_step)
         # an evaluation "after step s" is kept when s steps were done by the checkpoint resumed from
         _keep_steps_before(root / "eval.jsonl", first_step + 1 if first_step else 0)
+        if first_step:
+            _keep_spans_before(root / "timeline.jsonl", first_step)
         self._metrics = (root / "metrics.jsonl").open("a", buffering=1)
         self._samples = (root / "samples.jsonl").open("a", buffering=1)
         self._eval = (root / "eval.jsonl").open("a", buffering=1)

@@ -7,6 +7,7 @@ import builtins
 import collections
 import glob
 import io
+import json
 import struct
 import sys
 
@@ -244,3 +245,29 @@ def test_a_failing_tracker_is_left_out_and_training_goes_on(tmp_path):
     assert lines.count("tracker tensorboard failed (OSError: disk full); it is off for the rest of the run") == 1
     assert [line[:14] for line in lines if line.startswith("step")] == ["step    1/2 | ", "step    2/2 | "]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_resumed_run_keeps_the_timeline_up_to_its_checkpoint(tmp_path):
+    """Spans after the learner published the checkpoint's version are of steps trained again, and a
+    torn last line (a killed run) would end up mid-file: both go when the run is reopened."""
+    config = {"run": {"trackers": ["jsonl"]}}
+    run = RunLog(tmp_path, 4, stream=io.StringIO(), config=config)
+    span = lambda kind, start, end, version=None: {  # noqa: E731
+        "process": "learner-0" if kind == "publish" else "actor-0", "kind": kind, "start": start, "end": end,
+        "version": version,
+    }  # fmt: skip
+    run.timeline([span("generate", 0, 1, 0), span("publish", 1, 2, 1), span("generate", 1.5, 3, 1)])
+    run.timeline([span("publish", 3, 4, 2), span("generate", 4, 5, 2)])
+    run.close(None)
+    with (tmp_path / "timeline.jsonl").open("a") as f:
+        f.write('{"process": "actor-0", "kind": "gen')  # killed mid-line
+    run = RunLog.reopen(tmp_path, config, 4, first_step=1)  # the checkpoint was after step 1
+    run.timeline([span("publish", 10, 11, 2)])
+    run.close(None)
+    kept = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert [(s["kind"], s["start"]) for s in kept] == [
+        ("generate", 0),
+        ("publish", 1),
+        ("generate", 1.5),
+        ("publish", 10),
+    ]
