@@ -8,7 +8,7 @@ demo: setup
 	@.venv/bin/tandem demo
 
 test: setup
-	@.venv/bin/python -m pytest -q
+	@.venv/bin/python -m pytest -q --durations=25
 
 test-fast: setup
 	@.venv/bin/python -m pytest -q -m "not slow"

@@ -174,9 +174,11 @@ class LearnerGroup:
 
     async def publish_weights(self, version: int) -> list[dict]:
         """Every rank exports (ZeRO-3 gathers); rank 0 publishes ``version`` on the channel.
-        Returns the policy ranks' timeline spans of the step (``cluster/timeline.py``)."""
-        per_rank = await asyncio.gather(*[w.publish_weights.remote(version) for w in self.workers])
-        return [span for spans in per_rank for span in spans or []]
+        Returns the step's timeline spans of every learner process (``cluster/timeline.py``)."""
+        published = [w.publish_weights.remote(version) for w in self.workers]
+        others = [p.take_spans.remote(version) for p in self.critics + self.references]  # idle by now
+        per_process = await asyncio.gather(*published, *others)
+        return [span for spans in per_process for span in spans or []]
 
     async def close_weight_channel(self) -> None:
         await self.workers[0].close_weight_publisher.remote()

@@ -279,6 +279,11 @@ class LearnerWorker:
             named = self.export_weights(copy=False)  # publish copies them out before returning
             if self.rank == 0:
                 self.publisher.publish(version, named)
+        return self.take_spans(version)
+
+    def take_spans(self, version: int) -> list[dict]:
+        """This process's spans since the last take, each marked with the ``version`` its step
+        produced (a separate critic or reference process is asked for them at each publish)."""
         spans = self.spans.take()
         for span in spans:
             span["version"] = version

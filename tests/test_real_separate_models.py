@@ -8,6 +8,8 @@ the learner rank.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launch.config import load_config
@@ -64,3 +66,8 @@ def test_a_run_with_every_model_on_its_own_process(tmp_path, tiny_model_dir, cap
     metrics = read_metrics(tmp_path)
     assert all("learner/critic_value_mean" in m and "learner/kl_ref_mean" in m for m in metrics), metrics[0].keys()
     assert "tensor parallel 2" in (run_dir(tmp_path) / "logs" / "actor-0.log").read_text()
+    # every process has its lane on the timeline, the separate ones too, each span on its step's version
+    spans = [json.loads(line) for line in (run_dir(tmp_path) / "timeline.jsonl").read_text().splitlines()]
+    lanes = {(s["process"], s["kind"]) for s in spans}
+    assert {("critic-0", "score"), ("critic-0", "train"), ("reference-0", "score"), ("learner-0", "train")} <= lanes
+    assert {s["version"] for s in spans if s["process"] in ("critic-0", "reference-0")} == {1, 2, 3}
