@@ -35,34 +35,35 @@ __all__ = ["RunLog", "format_seconds"]  # format_seconds: launch/cli.py takes it
 SAMPLE_COLUMNS = ["prompt", "completion", "reward", "staleness"]  # the samples table in the trackers
 
 
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of ``path``, one a line; lines that do not parse (a killed run leaves a torn
+    last line) are left out. ``[]`` for a missing file."""
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def _keep_steps_before(path: Path, step: int) -> None:
     """Drop the JSONL lines of steps >= ``step`` (and a torn last line)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] < step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    path.write_text("".join(line + "\n" for line in kept))
+    if path.is_file():
+        kept = [r for r in _records(path) if isinstance(r.get("step"), (int, float)) and r["step"] < step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _keep_spans_before(path: Path, version: int) -> None:
     """A resumed run's timeline: keep the spans up to the learner's publication of ``version`` (the
     checkpoint's step); later ones, of steps trained again, and torn lines (a killed run) go."""
-    if not path.is_file():
-        return
-    spans = []
-    for line in path.read_text().splitlines():
-        try:
-            spans.append(json.loads(line))
-        except ValueError:
-            continue
-    published = [s["end"] for s in spans if s.get("kind") == "publish" and s.get("version") == version]
-    cut = max(published, default=float("inf"))
-    path.write_text("".join(json.dumps(s) + "\n" for s in spans if s.get("start", 0) < cut))
+    if path.is_file():
+        spans = _records(path)
+        published = [s["end"] for s in spans if s.get("kind") == "publish" and s.get("version") == version]
+        cut = max(published, default=float("inf"))
+        path.write_text("".join(json.dumps(s) + "\n" for s in spans if s.get("start", 0) < cut))
 
 
 class RunLog:
