@@ -110,6 +110,12 @@ def busy_fractions(spans: list[dict[str, Any]], window: Interval | None = None) 
     return out
 
 
+def lane_idle(lane: list[dict[str, Any]]) -> list[Interval]:
+    """The lane's idle time: its waits while no other kind of span runs (sorted, disjoint)."""
+    waits = merge_intervals(s for s in lane if s["kind"] in WAIT_KINDS)
+    return subtract(waits, merge_intervals(s for s in lane if s["kind"] not in WAIT_KINDS))
+
+
 def idle_fractions(spans: list[dict[str, Any]], window: Interval | None = None) -> dict[str, float]:
     """``{process: fraction}`` for the lanes that record waits (actors, the driver): the share of the
     lane's extent (within ``window`` when given) spent in a wait kind while no other kind runs.
@@ -122,9 +128,7 @@ def idle_fractions(spans: list[dict[str, Any]], window: Interval | None = None) 
         length = total(span_window)
         if length <= 0:
             continue
-        waits = clip(merge_intervals(s for s in lane if s["kind"] in WAIT_KINDS), span_window[0])
-        work = merge_intervals(s for s in lane if s["kind"] not in WAIT_KINDS)
-        out[process] = total(subtract(waits, work)) / length
+        out[process] = total(clip(lane_idle(lane), span_window[0])) / length
     return out
 
 
@@ -149,11 +153,8 @@ def actor_idle_per_step(spans: list[dict[str, Any]]) -> tuple[list[int], list[fl
         if not process.startswith("actor") or not any(s["kind"] in WAIT_KINDS for s in lane):
             continue
         lo, hi = extent(lane)
-        waits = merge_intervals(s for s in lane if s["kind"] in WAIT_KINDS)
-        idle = subtract(waits, merge_intervals(s for s in lane if s["kind"] not in WAIT_KINDS))
-        clipped = [(max(a, lo), min(b, hi)) for _, (a, b) in windows]
-        lengths = [max(b - a, 0.0) for a, b in clipped]
-        idle_s = window_totals(idle, [w for _, w in windows])
+        lengths = [max(min(b, hi) - max(a, lo), 0.0) for _, (a, b) in windows]
+        idle_s = window_totals(lane_idle(lane), [w for _, w in windows])
         per_lane.append([i / n if n > 0 else None for i, n in zip(idle_s, lengths)])
     steps, values = [], []
     for index, (step, _) in enumerate(windows):
