@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.timeline import Spans  # noqa: E402
+from launch.run_stats import load_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,15 +72,13 @@ def run_demo(steps: int, out: str, timeline: bool = True) -> Path:
 
 
 def step_seconds(run: Path) -> list[float]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["step_seconds"] for line in lines[1:]]  # the first step warms up
+    return [m["step_seconds"] for m in load_run(run).metrics[1:]]  # the first step warms up
 
 
 def spans_per_step(run: Path) -> tuple[dict[str, float], int]:
-    spans = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines() if line]
-    steps = len((run / "metrics.jsonl").read_text().splitlines())
-    counts = collections.Counter(s["process"] for s in spans)
-    return {p: c / steps for p, c in sorted(counts.items())}, steps
+    data = load_run(run)
+    counts = collections.Counter(s["process"] for s in data.spans)
+    return {p: c / len(data.metrics) for p, c in sorted(counts.items())}, len(data.metrics)
 
 
 def main() -> None:
