@@ -179,3 +179,22 @@ def test_gradient_checkpointing_trains_the_same_step(tiny_model_dir):
     pa = dict(plain.workers[0]._target.models.policy.module.named_parameters())
     pb = dict(checkpointed.workers[0]._target.models.policy.module.named_parameters())
     assert max(float((pa[n] - pb[n]).abs().max()) for n in pa) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "overrides, scoring_pass",
+    [
+        ([], False),  # one update per batch: the old policy is the current one, trained on directly
+        (["algorithm.epochs=2"], True),
+        (["algorithm.minibatches=2"], True),
+        (["algorithm.kl.placement=loss"], True),  # the KL's policy log-probs come before the update
+    ],
+)
+def test_policy_scores_before_training_only_when_an_update_or_a_kl_needs_it(tiny_model_dir, overrides, scoring_pass):
+    group = fake_group(tiny_model_dir, *overrides)
+    rank = group.workers[0]._target
+    modes = []  # the policy's mode at each forward: eval = the scoring pass, train = an update's forward
+    rank.models.policy.module.register_forward_hook(lambda module, args, out: modes.append(module.training))
+    step(group, batches())
+    assert (False in modes) is scoring_pass
+    assert True in modes
