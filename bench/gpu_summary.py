@@ -38,9 +38,17 @@ SKIPPED = -1  # the exit code a manifest gives a run the time budget left out
 
 
 def _union_s(spans: Iterable[dict[str, Any]]) -> float:
-    from launch.timeline_stats import merge_intervals, total
+    from launch.timeline_stats import total
 
-    return total(merge_intervals(spans))
+    return total((s["start"], s["end"]) for s in spans)
+
+
+def _actor_lanes(spans: list[dict[str, Any]], kind: str) -> list[list[dict[str, Any]]]:
+    """Each actor's spans of ``kind``, in time order."""
+    from launch.timeline_stats import lanes
+
+    by_actor = lanes([s for s in spans if s["process"].startswith("actor") and s["kind"] == kind])
+    return [sorted(lane, key=lambda s: s["start"]) for lane in by_actor.values()]
 
 
 def _median(values: list[float]) -> float | None:
@@ -53,11 +61,9 @@ def push_times(spans: list[dict[str, Any]]) -> dict[str, float | None]:
     publish = sorted((s for s in spans if s["process"] == "learner-0" and s["kind"] == PUBLISH_KIND),
                      key=lambda s: s["start"])  # fmt: skip
     pushes = [s["end"] - s["start"] for s in publish[1:]] or [s["end"] - s["start"] for s in publish]
-    loads: list[float] = []
-    for process in {s["process"] for s in spans if s["process"].startswith("actor")}:
-        lane = sorted((s for s in spans if s["process"] == process and s["kind"] == LOAD_KIND),
-                      key=lambda s: s["start"])  # fmt: skip
-        loads += [s["end"] - s["start"] for s in (lane[1:] or lane)]  # an actor loads only the newest version
+    loads = [  # an actor loads only the newest version
+        s["end"] - s["start"] for lane in _actor_lanes(spans, LOAD_KIND) for s in (lane[1:] or lane)
+    ]
     return {
         "push_s": _median(pushes),
         "push_max_s": max(pushes) if pushes else None,
@@ -80,19 +86,16 @@ def tokens_by_version(metrics: list[dict[str, Any]]) -> dict[int, float]:
 def generation_rate(metrics: list[dict[str, Any]], spans: list[dict[str, Any]], k: int,
                     inflight: bool) -> tuple[float | None, str]:  # fmt: skip
     """(completion tokens per actor generate-second, basis): ``versions a..b`` or ``run``."""
-    gen = [s for s in spans if s["process"].startswith("actor") and s["kind"] == GEN_KIND]
+    gen = _actor_lanes(spans, GEN_KIND)
     by_version = tokens_by_version(metrics)
     versions = list(range(1, len(metrics) - k))  # 1 .. N-1-k
     if not inflight and versions:
         tokens = sum(by_version.get(v, 0.0) for v in versions)
-        seconds = sum(
-            _union_s(s for s in gen if s["process"] == p and s.get("version") in versions)
-            for p in {s["process"] for s in gen}
-        )
+        seconds = sum(_union_s(s for s in lane if s.get("version") in versions) for lane in gen)
         if tokens and seconds > 0:
             return tokens / seconds, f"versions {versions[0]}..{versions[-1]}"
     tokens = sum(by_version.values())
-    seconds = sum(_union_s(s for s in gen if s["process"] == p) for p in {s["process"] for s in gen})
+    seconds = sum(_union_s(lane) for lane in gen)
     return (tokens / seconds if tokens and seconds > 0 else None), "run"
 
 
