@@ -34,4 +34,8 @@ def actor_env(placement: ActorPlacement, index: int, engine: EngineConfig) -> di
         tp, cores = placement.tensor_parallel, os.cpu_count() or 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str((index * tp + j) % cores) for j in range(tp))
         env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_gib)
+        if engine.enforce_eager:
+            # an eager engine still torch.compiles vLLM's sampled-token rank (2-3 s of every start on a
+            # CPU, for a number Tandem never reads); with dynamo off that function runs eagerly
+            env["TORCHDYNAMO_DISABLE"] = "1"
     return env

@@ -79,9 +79,6 @@ def build_tiny_model(
     accepts 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 or 512. Returns the directory.
     Re-running with the same arguments and no ``overwrite`` reuses a complete directory.
     """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     out = Path(out_dir)
     spec = dict(
         hidden_size=hidden_size,
@@ -96,7 +93,10 @@ def build_tiny_model(
     )
     marker = out / MARKER
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == spec:
-        return out
+        return out  # before the imports below: they cost seconds of every run's start-up
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     head_dim = hidden_size // num_heads
     if head_dim * num_heads != hidden_size or head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
         raise ValueError(

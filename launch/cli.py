@@ -123,7 +123,7 @@ def run_training(
     from launch.checkpoints import CheckpointError, CheckpointStore
     from launch.data import load_run_rows
     from launch.preflight import check_prompt_lengths, preflight
-    from launch.run_dir import RunLog, format_seconds
+    from launch.run_dir import RunLog, format_seconds, startup_phases
     from launch.stopping import StopRequest
     from launch.train import Resume, check_resumable, time_limit_s
 
@@ -151,6 +151,7 @@ def run_training(
     else:
         run = RunLog.create(cfg.run.output_dir, cfg.run.name, dumped, cfg.run.steps, private=cfg.run.private)
         store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+    run.mark("prepare")  # config, data, model and preflight checks, the run directory
     if result is not None:
         result["run_dir"] = str(run.root)
     status, error, restarts = "failed", None, 0
@@ -192,6 +193,8 @@ def run_training(
         summary["wall_s"] = round(time.monotonic() - started, 1)
         if run.first_step_at is not None:  # start-up: from the command to this process's first step
             summary["startup_s"] = round(run.first_step_at - started, 1)
+            if "prepare" in run.marks:  # not after an automatic restart: its phases began earlier
+                summary["startup"] = startup_phases(started, run.marks, run.first_step_at)
         if error:
             summary["error"] = error
         if status != "failed":

@@ -43,18 +43,20 @@ _watchdogs: list[subprocess.Popen] = []  # kept so they are waited for, never re
 
 
 @contextmanager
-def marked_environment(token: str) -> Iterator[None]:
-    """``MARK=token`` in this process's environment for the duration (the processes Ray starts
-    meanwhile inherit it); the previous value is restored after."""
-    before = os.environ.get(MARK)
-    os.environ[MARK] = token
+def marked_environment(token: str, **variables: str) -> Iterator[None]:
+    """``MARK=token`` (and ``variables``) in this process's environment for the duration (the
+    processes Ray starts meanwhile inherit them); the previous values are restored after."""
+    variables[MARK] = token
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(MARK, None)
-        else:
-            os.environ[MARK] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def start_watchdog(token: str, session_dir: str, gcs_pid: int | None) -> subprocess.Popen:

@@ -111,6 +111,7 @@ class RunLog:
         self.trackers: dict[str, Tracker] = build_trackers(settings.trackers, context)
         self.start = time.monotonic()
         self.first_step_at: float | None = None
+        self.marks: dict[str, tuple[float, str | None]] = {}  # start-up phase -> (its end, the phase it began after)
         self.placement: dict[str, str] = {}  # process name -> Ray node id
 
     @classmethod
@@ -158,6 +159,11 @@ class RunLog:
     def timeline(self, spans: list[dict[str, Any]]) -> None:
         """Append spans (``cluster/timeline.py``) to ``timeline.jsonl``."""
         self._timeline.writelines(json.dumps(span) + "\n" for span in spans)
+
+    def mark(self, phase: str, since: str | None = None) -> None:
+        """Note that the start-up phase ``phase`` ended now. It began when ``since`` ended, or (None)
+        when the previous phase marked without ``since`` did: those chain, the others ran beside them."""
+        self.marks[phase] = (time.monotonic(), since)
 
     def log_path(self, process: str) -> str:
         return str((self.logs / f"{process}.log").resolve())
@@ -223,6 +229,21 @@ class RunLog:
                     self.say(f"tracker {name} did not close cleanly ({type(exc).__name__}: {exc})")
         finally:
             self.view.close()  # the terminal back whatever happened
+
+
+def startup_phases(
+    started: float, marks: dict[str, tuple[float, str | None]], first_step_at: float | None
+) -> dict[str, float]:
+    """Seconds per start-up phase (``RunLog.mark``) as ``{"<phase>_s": seconds}``, in the order
+    marked, with ``first_step_s`` from the last chained phase to the end of the first step."""
+    phases, last = {}, started
+    for phase, (end, since) in marks.items():
+        phases[f"{phase}_s"] = round(end - (marks[since][0] if since else last), 1)
+        if since is None:
+            last = end
+    if first_step_at is not None:
+        phases["first_step_s"] = round(first_step_at - last, 1)
+    return phases
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:

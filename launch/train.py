@@ -112,6 +112,7 @@ async def train(
 
     plan = build_plan(cfg)
     start_ray(cfg)
+    run.mark("ray")
     extra = "".join(f", {k.count} separate {k.prefix} process(es)" for k in (plan.critic, plan.reference) if k)
     run.say(
         f"run directory: {run.root}\nstarting {plan.actors.count} generation actor(s) and "
@@ -131,10 +132,17 @@ async def train(
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
     results_queue = build_queue("ray", "results", maxsize=P * (k + 2))
     scheduling = reserve(plan.kinds, cfg.resources.strategy, cfg.resources.placement_timeout_s)
+
+    async def ready(phase: str, building):
+        built = await building
+        run.mark(phase, since="ray")
+        return built
+
     actors, learner = await asyncio.gather(
-        build_generation_actors(cfg, model_path, run, scheduling),
-        build_learner_group(cfg, model_path, run, scheduling),
+        ready("actors", build_generation_actors(cfg, model_path, run, scheduling)),
+        ready("learner", build_learner_group(cfg, model_path, run, scheduling)),
     )
+    run.mark("processes")  # the generation actors and the learner ranks started side by side
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
     if resume:
         await learner.load_checkpoint(str(resume.path))
@@ -145,6 +153,7 @@ async def train(
         )
     names = plan.actors.names()
     channels = await learner.open_weight_channel(cfg.weights, names, cfg.run.startup_timeout_s)
+    run.mark("weight_channel")
     timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
     pace = Pace(prompts_per_step=P, max_staleness=k, start_version=first)
     evaluator = Evaluator(

@@ -90,3 +90,12 @@ def test_a_critic_is_placed_exactly_for_the_methods_that_need_one():
     for name, method in METHODS.items():
         kinds = plan(f"algorithm.name={name}", "resources.critic.placement=separate")
         assert ("critic" in [k.prefix for k in kinds]) == method.needs_critic, name
+
+
+def test_an_eager_cpu_engine_runs_with_dynamo_off():
+    """vLLM torch.compiles the sampled token's rank even with enforce_eager (2-3 s of each start on a
+    CPU); an eager CPU actor turns dynamo off, a compiled engine keeps it."""
+    eager = load_config(None, REQUIRED)
+    compiled = load_config(None, REQUIRED + ["engine.enforce_eager=false"])
+    assert actor_environment(eager, 0)["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in actor_environment(compiled, 0)

@@ -55,7 +55,14 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
     assert last > first + 0.2, f"reward did not rise: {first:.3f} -> {last:.3f}"
 
     assert sum(m["reward_errors"] for m in metrics) > 0  # the raising prompts were counted ...
-    assert read_summary(runs)["steps"] == steps  # ... and the run went on to the end
+    summary = read_summary(runs)
+    assert summary["steps"] == steps  # ... and the run went on to the end
+    phases = summary["startup"]  # where the start-up went, in order; the chained phases add up to it
+    assert list(phases) == ["prepare_s", "ray_s", *sorted(["actors_s", "learner_s"], key=phases.get)] + [
+        "processes_s", "weight_channel_s", "first_step_s"
+    ]  # fmt: skip
+    chained = ("prepare_s", "ray_s", "processes_s", "weight_channel_s", "first_step_s")
+    assert abs(sum(phases[k] for k in chained) - summary["startup_s"]) < 0.5
     root = run_dir(runs)
     assert (root / "config.yaml").is_file() and list((root / "tb").iterdir())
     assert (root / "logs" / "actor-0.log").read_text().count("no reward for prompts ending in 7:") > 0
