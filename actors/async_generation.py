@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from actors.engine_weights import engine_transfer
 from actors.policy_clock import PolicyClock
 from actors.reward_scorer import RewardScorer
 from actors.scoring import GroupBuilder, Sample
@@ -27,13 +28,6 @@ from cluster.logs import redirect_output
 from cluster.timeline import Spans
 from queues.bounded import QueueClosed
 from queues.messages import PromptRequest, TrajectoryGroup
-
-
-def weights_to_bytes(named_tensors: list) -> bytes:
-    """Safetensors bytes: the engine runs in its own process and RPC arguments must be plain bytes."""
-    from safetensors.torch import save
-
-    return save({name: t.contiguous() for name, t in named_tensors})
 
 
 class AsyncGenerationActor:
@@ -64,6 +58,7 @@ class AsyncGenerationActor:
                 self.spec.step_delimiter,
             )
             self.tensor_parallel = self.engine.vllm_config.parallel_config.tensor_parallel_size
+            self.transfer = engine_transfer(self.spec.engine.weight_transfer, _cuda())
             print(
                 f"[{self.spec.name}] async engine ready (pid {os.getpid()}, {self.spec.model_path}, "
                 f"{self.spec.dtype}, tensor parallel {self.tensor_parallel})",
@@ -80,13 +75,14 @@ class AsyncGenerationActor:
             if version <= self.policy.version:
                 return self.policy.version
             start, wall = time.monotonic(), time.time()
-            blob = weights_to_bytes(named_tensors)
+            packed, keep = self.transfer.pack(named_tensors)  # `keep`: what the handles point at
             await self.engine.pause_generation(mode=mode, clear_cache=True)
             try:
-                await self.engine.collective_rpc("load_weights_blob", args=(blob,))
+                await self.engine.collective_rpc(self.transfer.method, args=(packed,))
                 await self.engine.reset_prefix_cache()
                 self.policy.loaded(version)
             finally:
+                del keep
                 await self.engine.resume_generation()
             self.policy.waited(time.monotonic() - start)
             self.spans.add("load_weights", wall, time.time(), version)
@@ -233,3 +229,9 @@ class AsyncGenerationActor:
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

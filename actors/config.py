@@ -153,3 +153,11 @@ class EngineConfig(Section):
     kv_cache_gib: int = Field(1, gt=0, description="KV cache size per engine on CPU, in GiB.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of GPU memory for vLLM on GPU.")
     enforce_eager: bool = Field(True, description="Skip graph compilation in vLLM (fast start-up).")
+    weight_transfer: Literal["auto", "bytes", "shared"] = Field(
+        "auto",
+        description=(
+            "How an in-flight actor hands new weights to its engine's process: bytes (a safetensors copy per "
+            "update), shared (CUDA IPC or shared-memory handles, no copy through the message); auto: shared "
+            "with a GPU, bytes on the CPU."
+        ),
+    )

@@ -1,7 +1,8 @@
 """Code that runs inside vLLM's worker, next to the model (``worker_extension_cls``).
 
 vLLM mixes this class into its worker; ``collective_rpc("load_named_weights", ...)``
-calls it. Weights arrive as ``(name, tensor)`` pairs with Hugging Face names.
+calls it. Weights arrive as ``(name, tensor)`` pairs with Hugging Face names, or packed by
+``actors/engine_weights.py`` when they cross into the async engine's process.
 """
 
 from __future__ import annotations
@@ -20,4 +21,13 @@ class WeightReceiver:
 
         named = load(blob)
         self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+        return len(named)
+
+    def load_weights_shared(self, blob: bytes) -> int:
+        """The same from handles (``weights_to_handles``): the tensors are rebuilt over the sender's
+        memory (CUDA IPC or shared memory), loaded, and released when this returns."""
+        import pickle
+
+        named = pickle.loads(blob)  # rebuilt by torch.multiprocessing's reductions; from our own actor
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         return len(named)

@@ -90,12 +90,19 @@ def train_group(ray, cfg, model_path: str, run, batches: list) -> tuple[tuple[in
     return asyncio.run(go())
 
 
-def actor_spec(model_dir: str, log_path: str, reward: str = "builtin:echo", tensor_parallel: int = 1, **rollout):
+def actor_spec(
+    model_dir: str,
+    log_path: str,
+    reward: str = "builtin:echo",
+    tensor_parallel: int = 1,
+    engine: EngineConfig | None = None,
+    **rollout,
+):
     """A generation actor's spec as the launcher builds it, with ``rollout`` overrides."""
     return ActorSpec(
         name="actor-0",
         model_path=model_dir,
-        engine=EngineConfig(),
+        engine=engine or EngineConfig(),
         rollout=RolloutConfig(**rollout),
         reward=RewardConfig(function=reward),
         dtype="float32",

@@ -4,6 +4,8 @@ The async actor streams a long completion; halfway the weights change. Every tok
 the actor tagged with version 0 must carry the old weights' log-prob, every token
 tagged 1 the new weights' (computed independently with transformers on the whole
 sequence, so the new tokens also prove the cached KV of the old weights was dropped).
+The weights cross into the engine's process as shared-memory handles (``engine.weight_transfer:
+shared``, what a GPU actor uses); the other in-flight runs of the suite send them as bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import pytest
 import torch
 
+from actors.config import EngineConfig
 from queues.messages import PromptRequest
 from tests.runs import actor_options, actor_spec
 
@@ -33,7 +36,8 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
 
     # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way.
     rollout = dict(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight")
-    spec = actor_spec(tiny_model_dir, str(tmp_path / "a.log"), "builtin:successor", **rollout)
+    shared = EngineConfig(weight_transfer="shared")
+    spec = actor_spec(tiny_model_dir, str(tmp_path / "a.log"), "builtin:successor", engine=shared, **rollout)
     actor = ray.remote(AsyncGenerationActor).options(**actor_options()).remote(spec)
     ray.get(actor.ready.remote())
     ray.get(actor.completion_logprobs.remote([5, 6], [7]))  # warm-up: the first logprobs call compiles an op
