@@ -172,3 +172,15 @@ def actor_idle(spans: list[dict[str, Any]]) -> float | None:
     window = (windows[1][0], windows[-1][1]) if len(windows) > 1 else None
     idle = [f for p, f in idle_fractions(spans, window).items() if p.startswith("actor")]
     return sum(idle) / len(idle) if idle else None
+
+
+def overlap_share(spans: list[dict[str, Any]], during: str = "train", doing: str = "generate") -> float | None:
+    """The share of the time some process spent in ``during`` spans (the learner training) while
+    another kind, ``doing``, ran anywhere (an actor generating): ``|D & G| / |D|`` over the unions
+    ``D`` and ``G``. ``None`` when no ``during`` span is on the timeline."""
+    busy = merge_intervals(s for s in spans if s["kind"] == during)
+    length = total(busy)
+    if length <= 0:
+        return None
+    alone = subtract(busy, merge_intervals(s for s in spans if s["kind"] == doing))
+    return (length - total(alone)) / length

@@ -18,6 +18,7 @@ from launch.timeline_stats import (
     idle_fractions,
     lanes,
     merge_intervals,
+    overlap_share,
     step_windows,
     subtract,
     window_totals,
@@ -38,6 +39,23 @@ def test_interval_union_and_difference():
     assert subtract([(0, 2), (3, 4), (6, 8)], [(1, 3.5), (7, 9)]) == [(0, 1), (3.5, 4), (6, 7)]
     # per-window lengths in one sweep: an interval across a window edge counts on both sides
     assert window_totals([(0, 1), (2, 5), (9, 10)], [(0, 3), (3, 6), (6, 9.5)]) == [2.0, 2.0, 0.5]
+
+
+def test_overlap_share_is_the_training_time_while_anything_generated():
+    def span(process, kind, start, end):
+        return {"process": process, "kind": kind, "start": start, "end": end}
+
+    timeline = [
+        span("learner-0", "train", 0, 4),
+        span("learner-0", "train", 6, 10),  # trained 8 s
+        span("actor-0", "generate", 1, 3),
+        span("actor-1", "generate", 2, 5),  # with actor-0: [1, 5] -> 3 s inside [0, 4]
+        span("actor-0", "generate", 9, 12),  # 1 s inside [6, 10]
+        span("actor-0", "wait_prompts", 6, 9),  # a wait is not generation
+    ]
+    assert overlap_share(timeline) == pytest.approx(4 / 8)
+    assert overlap_share(timeline, during="generate", doing="train") == pytest.approx(4 / 7)
+    assert overlap_share([span("actor-0", "generate", 0, 1)]) is None  # nothing trained
 
 
 def test_busy_fractions_merge_overlapping_generation():
