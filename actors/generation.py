@@ -17,7 +17,15 @@ from typing import Any
 from actors.policy_clock import PolicyClock
 from actors.reward_scorer import RewardScorer
 from actors.scoring import GroupBuilder, Sample
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, ready_report, request_params
+from actors.spec import (
+    ActorSpec,
+    ActorTimeouts,
+    decode_completions,
+    engine_kwargs,
+    engine_prompt,
+    ready_report,
+    request_params,
+)
 from cluster.channel import WeightReceiver
 from cluster.logs import redirect_output
 from cluster.timeline import Spans
@@ -39,7 +47,7 @@ class GenerationActor:
 
             engine = LLM(**engine_kwargs(spec))
         self.llm = engine
-        tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = tokenizer = self.llm.get_tokenizer()
         steps = spec.step_delimiter is not None
         scorer = RewardScorer(spec.reward, steps, model_actors=spec.reward_model_actors)  # its worker processes
         scorer.wait_ready()  # a reward that cannot load in a worker fails the actor's start, naming it
@@ -91,8 +99,9 @@ class GenerationActor:
 
     def _samples(self, output) -> list[Sample]:
         samples = []
-        for completion in output.outputs:
-            ids = list(completion.token_ids)
+        completions = [list(c.token_ids) for c in output.outputs]
+        texts = decode_completions(self.tokenizer, completions)
+        for completion, ids, text in zip(output.outputs, completions, texts):
             samples.append(
                 Sample(
                     prompt_token_ids=list(output.prompt_token_ids),
@@ -100,7 +109,7 @@ class GenerationActor:
                     logprobs=[step[tok].logprob for tok, step in zip(ids, completion.logprobs)],
                     versions=[self.policy.version] * len(ids),
                     finish_reason="length" if completion.finish_reason == "length" else "stop",
-                    text=completion.text,
+                    text=text,
                 )
             )
         return samples

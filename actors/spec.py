@@ -72,7 +72,11 @@ def sampling_params(
 ):
     """``n`` samples per prompt with the sampled tokens' logprobs; ``seed`` makes them reproducible
     per prompt; ``stream`` returns tokens as they are produced (the in-flight actor); ``temperature``
-    overrides the rollout's (evaluation; 0 is greedy)."""
+    overrides the rollout's (evaluation; 0 is greedy).
+
+    The engine returns token ids only: the actors decode each finished completion once with the
+    tokenizer (``decode_completions``). vLLM's incremental detokenizer runs per token per sequence in
+    Python and cost 14-36% of generation throughput on a CPU (bench: 16 prompts x 8, 128-512 tokens)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -84,8 +88,14 @@ def sampling_params(
         top_p=rollout.top_p,
         logprobs=0,  # the sampled token's logprob
         seed=seed,
+        detokenize=False,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE,  # vLLM's default
     )
+
+
+def decode_completions(tokenizer, completions: list[list[int]]) -> list[str]:
+    """The completions' texts as the rewards see them: special tokens (EOS) left out."""
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 def engine_prompt(request: PromptRequest):

@@ -27,6 +27,9 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens=True) -> str:
         return "".join("5" if i == DIGIT else "?" for i in ids)
 
+    def batch_decode(self, sequences, skip_special_tokens=True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
 
 def _config(tp: int = 1):
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
@@ -37,7 +40,7 @@ def _completion(tokens: list[int], finish: str | None):
         token_ids=tokens,
         logprobs=[{t: SimpleNamespace(logprob=-0.25)} for t in tokens],
         finish_reason=finish,
-        text=FakeTokenizer().decode(tokens),
+        text="",  # the actors ask for no detokenization: they decode the finished completions
     )
 
 
