@@ -191,12 +191,19 @@ async def train(
         slot = 0
         while True:
             await pace.admit(slot)  # waits until this prompt can be trained on within k versions
-            slot += 1
-            prompt_id, row = ledger.take()
-            request = PromptRequest(
-                prompt_id=prompt_id, row=row, min_version=pace.version, prompt_token_ids=renderer.token_ids(row)
-            )
-            await prompt_queue.put_many_async([request], timeout=cfg.run.data_timeout_s)
+            # every prompt admissible now goes in one put (up to a step's): one queue call, not one
+            # per prompt, and an actor waiting for prompts wakes to a full request, not to the first one
+            count = min(P, pace.allowance() - slot)
+            requests = []
+            for _ in range(count):
+                prompt_id, row = ledger.take()
+                requests.append(
+                    PromptRequest(
+                        prompt_id=prompt_id, row=row, min_version=pace.version, prompt_token_ids=renderer.token_ids(row)
+                    )
+                )
+            slot += count
+            await prompt_queue.put_many_async(requests, timeout=cfg.run.data_timeout_s)
 
     async def on_filter(group) -> None:
         """A group left out by dynamic sampling: its prompt is done (not generated again), and one
