@@ -3,8 +3,8 @@ and Ctrl-C, in real runs of the tiny model (Ray + vLLM + DeepSpeed).
 
 What must hold: a resumed synchronous run is the same run (losses, prompts, final weights); with
 k > 0 no prompt is trained twice and none is lost; a killed actor is replaced and the run finishes
-every step; a killed learner rank is one line and the run resumes; a stop leaves a checkpoint, the
-model, summary.json and no process behind.
+every step; a killed learner rank is one line and the run resumes; a stop (Ctrl-C) leaves a
+checkpoint, the model, summary.json and no process behind.
 
 A reward function that sleeps 20 ms per call slows each step to about a second, so that a signal
 lands mid-run; it does not change any reward.
@@ -156,14 +156,25 @@ def test_synchronous_resume_after_kill_9_of_the_driver_is_the_same_run(tmp_path,
     assert [s["step"] for s in samples] == [s // 2 for s in range(16)]  # two per step, none twice
 
 
-def test_asynchronous_resume_trains_every_prompt_once(tmp_path, tiny_model_dir, slow_reward):
+def test_ctrl_c_of_an_asynchronous_run_checkpoints_leaves_no_process_and_resumes_every_prompt_once(
+    tmp_path, tiny_model_dir, slow_reward
+):
     out = tmp_path / "runs"
     proc = spawn(out, tiny_model_dir, *BASE, "run.max_staleness=2", "rollout.weight_update=inflight", slow_reward)
-    root = wait_for_steps(out, 6, proc)
-    proc.kill()
-    proc.wait(timeout=30)
+    root = wait_for_steps(out, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    summary = json.loads((root / "summary.json").read_text())
+    done = len(read_metrics(out))
+    assert summary["status"] == "stopped (SIGINT)" and summary["steps"] == done < 8
+    assert (root / "checkpoints" / f"step-{done}" / "manifest.json").is_file()
+    assert (root / "model" / "model.safetensors").is_file()
+    assert_nothing_left(root)
+
+    # prompts were in flight (k = 2) when it stopped: the resumed run trains each prompt once, loses none
     assert main(["train", "--resume", str(root)]) == 0
     ids, state = trained_ids(out), final_state(root)
+    assert [m["step"] for m in read_metrics(out)] == list(range(8))
     assert len(ids) == 8 * 8 and len(set(ids)) == len(ids)  # none twice
     ledger = state["ledger"]
     assert set(ids) | set(ledger["pending"]) == set(range(ledger["next_id"]))  # none lost
@@ -216,17 +227,3 @@ def test_a_killed_learner_rank_is_one_line_and_the_run_resumes(tmp_path, tiny_mo
     assert [m["step"] for m in read_metrics(out)] == list(range(8))
     ids = trained_ids(out)
     assert len(set(ids)) == len(ids)
-
-
-def test_ctrl_c_checkpoints_writes_the_summary_and_leaves_no_process(tmp_path, tiny_model_dir, slow_reward):
-    out = tmp_path / "runs"
-    proc = spawn(out, tiny_model_dir, *BASE, "run.steps=30", slow_reward)
-    root = wait_for_steps(out, 3, proc)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130
-    summary = json.loads((root / "summary.json").read_text())
-    done = len(read_metrics(out))
-    assert summary["status"] == "stopped (SIGINT)" and summary["steps"] == done < 30
-    assert (root / "checkpoints" / f"step-{done}" / "manifest.json").is_file()
-    assert (root / "model" / "model.safetensors").is_file()
-    assert_nothing_left(root)
