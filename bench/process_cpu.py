@@ -104,7 +104,7 @@ def main() -> int:
         time.sleep(args.window)
         last, steps1, wall = cpu_of(procs), steps_done(out_dir), time.monotonic() - t0
     finally:
-        child.send_signal(signal.SIGINT)  # the run checkpoints nothing (checkpoint_every=0) and stops
+        child.send_signal(signal.SIGINT)  # the run stops at a step boundary and saves nothing (save_final=false)
         try:
             child.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -112,7 +112,7 @@ def main() -> int:
 
     rows = []
     for pid, (name, cpu, threads) in last.items():
-        used = cpu - first.get(pid, (name, cpu, threads))[1] if pid in first else cpu
+        used = cpu - first[pid][1] if pid in first else cpu  # a process started in the window: all of it
         rows.append({"pid": pid, "process": name, "cpu_s": round(used, 2), "threads": threads})
     rows.sort(key=lambda r: -r["cpu_s"])
     total = sum(r["cpu_s"] for r in rows)

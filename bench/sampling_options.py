@@ -7,7 +7,7 @@ variant per round, the variants interleaved so the machine's load falls on all:
   actor (before)  : per-prompt seeds, the sampled token's logprob, vLLM detokenises (the actors until
                     2026-12-02)
   actor (now)     : the same without vLLM's detokenisation; the completions are decoded once with
-                    ``tokenizer.batch_decode`` (timed in)
+                    ``actors.spec.decode_completions`` (timed in)
   + unseeded      : no per-prompt seed (not reproducible; what the in-flight actor does)
   + no logprobs   : no logprob returned (what TIS needs: a lower bound, not an option)
   + flat logprobs : vLLM's ``flat_logprobs`` container instead of a dict per position
@@ -49,6 +49,7 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from vllm import LLM, SamplingParams
 
+    from actors.spec import decode_completions
     from actors.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(args.model or os.path.join(tempfile.mkdtemp(), "tiny"), max_positions=4096))
@@ -80,7 +81,7 @@ def main() -> int:
         outputs = llm.generate(prompts, params(options), use_tqdm=False)
         if not options.get("detokenize", False):
             for out in outputs:
-                tokenizer.batch_decode([list(c.token_ids) for c in out.outputs], skip_special_tokens=True)
+                decode_completions(tokenizer, [list(c.token_ids) for c in out.outputs])  # as the actor does
         seconds = time.perf_counter() - start
         assert all(len(c.token_ids) == L for out in outputs for c in out.outputs)
         return PROMPTS * GROUP * L / seconds
