@@ -167,7 +167,7 @@ def bench_size(name: str, model_root: Path, work: Path, zero_stage: int) -> dict
     train_one_step(engine, seed=1)
     step = 1
 
-    # 2. the checkpoint as launch/train.py's checkpoint() writes it
+    # 2. the checkpoint as launch/saving.py's RunSaver.checkpoint writes it
     run_root = work / "run"
     store = checkpoints.CheckpointStore(run_root, keep=2)
     partial = store.begin(step)

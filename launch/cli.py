@@ -17,198 +17,13 @@ tandem k8s --config F --image IMG ...         print a KubeRay RayJob manifest
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-import time
-import traceback
 from pathlib import Path
 
-from launch.config import ConfigError, config_reference, load_config
+from launch.config import config_reference, load_config
+from launch.run import UnexpectedError, error_message, run_training, user_errors
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-
-
-# Errors that are the user's to fix: printed as one line, no traceback.
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from actors.rewards import RewardSpecError
-    from cluster.channel import WeightsTimeout
-    from cluster.dist_channel import WeightPushError
-    from cluster.placement import PlacementError
-    from launch.build import StartupError
-    from launch.checkpoints import CheckpointError
-    from launch.health import RunCannotLearn
-    from launch.preflight import PreflightError
-    from launch.stepping import ActorFailed, DataTimeout
-    from launch.submit import LaunchError, SubmitError
-    from launch.train import LearnerFailed
-    from queues.prompts import DatasetError
-
-    return (
-        ConfigError,
-        PreflightError,
-        CheckpointError,
-        RunCannotLearn,
-        LearnerFailed,
-        DatasetError,
-        RewardSpecError,
-        StartupError,
-        PlacementError,
-        DataTimeout,
-        ActorFailed,
-        WeightsTimeout,
-        WeightPushError,
-        LaunchError,
-        SubmitError,
-    )
-
-
-def _message(exc: BaseException) -> str:
-    """The error's own line. Raised inside a Ray actor, it arrives wrapped in a ``RayTaskError``
-    whose text is the remote traceback; ``cause`` is the original exception."""
-    cause = getattr(exc, "cause", None)
-    return str(cause if isinstance(cause, BaseException) else exc)
-
-
-def reward_summary(metrics_path: Path) -> dict[str, float]:
-    """Mean reward over the first and last 10% of steps."""
-    rewards = [json.loads(line)["reward_mean"] for line in metrics_path.read_text().splitlines() if line.strip()]
-    if not rewards:
-        return {}
-    tenth = max(1, len(rewards) // 10)
-    first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
-    return {"steps": len(rewards), "reward_first_10pct": first, "reward_last_10pct": last, "reward_gain": last - first}
-
-
-class UnexpectedError(RuntimeError):
-    """Anything else that ended a run: its last line here, the traceback in the run's driver log."""
-
-
-def _restartable() -> tuple[type[BaseException], ...]:
-    """Failures ``run.max_restarts`` resumes from: a process died or stopped answering."""
-    from cluster.channel import WeightsTimeout
-    from cluster.dist_channel import WeightPushError
-    from launch.stepping import ActorFailed, DataTimeout
-    from launch.train import LearnerFailed
-
-    return LearnerFailed, ActorFailed, WeightPushError, WeightsTimeout, DataTimeout
-
-
-def _shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-async def _train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows):
-    from launch.train import train
-
-    stop.install()
-    try:
-        return await train(cfg, run, rows, model_path, stop, resume, eval_rows)
-    finally:
-        stop.uninstall()
-
-
-def run_training(
-    config_path: str | Path | list | None,
-    overrides: list[str],
-    resume_dir: str | None = None,
-    result: dict | None = None,
-) -> int:
-    """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists."""
-    from actors.rewards import check_rewards
-    from launch.build import prepare_model
-    from launch.checkpoints import CheckpointError, CheckpointStore
-    from launch.data import load_run_rows
-    from launch.preflight import check_prompt_lengths, preflight
-    from launch.run_dir import RunLog, format_seconds, startup_phases
-    from launch.stopping import StopRequest
-    from launch.train import Resume, check_resumable, time_limit_s
-
-    started = time.monotonic()
-    if resume_dir is not None:
-        root = Path(resume_dir)
-        if not (root / "config.yaml").is_file():
-            raise ConfigError(f"--resume {root}: not a run directory (no config.yaml); give the RUN_DIR a run printed")
-        config_path = config_path or root / "config.yaml"
-    # Everything a user can get wrong is checked before any process starts.
-    cfg = load_config(config_path, overrides)
-    check_rewards(cfg.reward)
-    rows, eval_rows = load_run_rows(cfg, lambda line: print(f"tandem: {line}", file=sys.stderr, flush=True))
-    model_path = prepare_model(cfg.model)
-    rows = preflight(cfg, model_path, rows)
-    eval_rows = check_prompt_lengths(cfg, model_path, eval_rows, "the held-out set")
-    dumped = cfg.model_dump(mode="json")
-    resume = None
-    if resume_dir is not None:
-        store = CheckpointStore(root, cfg.run.keep_checkpoints)
-        checkpoint, state = store.newest(lambda text: print(text, file=sys.stderr))
-        check_resumable(state, rows, cfg)
-        resume = Resume(checkpoint, state)
-        run = RunLog.reopen(root, dumped, cfg.run.steps, first_step=int(state["step"]))
-    else:
-        run = RunLog.create(cfg.run.output_dir, cfg.run.name, dumped, cfg.run.steps, private=cfg.run.private)
-        store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
-    run.mark("prepare")  # config, data, model and preflight checks, the run directory
-    if result is not None:
-        result["run_dir"] = str(run.root)
-    status, error, restarts = "failed", None, 0
-    try:
-        while True:
-            stop = StopRequest(run.say, time_limit_s(cfg), started)
-            try:
-                progress = asyncio.run(_train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows))
-                break
-            except _restartable() as exc:
-                _shutdown_ray()
-                if restarts >= cfg.run.max_restarts:
-                    raise
-                try:
-                    checkpoint, state = store.newest(run.say)
-                except CheckpointError:
-                    raise exc from None
-                restarts += 1
-                run.say(
-                    f"{_message(exc)}\nresuming from {checkpoint} (run.max_restarts: {restarts} of "
-                    f"{cfg.run.max_restarts})"
-                )
-                resume = Resume(checkpoint, state)
-                run.close(None)
-                run = RunLog.reopen(run.root, dumped, cfg.run.steps, first_step=int(state["step"]))
-            finally:
-                _shutdown_ray()
-        status = f"stopped ({progress.stopped})" if progress.stopped else "completed"
-    except _user_errors() as exc:
-        error = _message(exc)
-        raise
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {(_message(exc).strip().splitlines() or [''])[-1]}"
-        log = run.logs / "driver.log"
-        log.write_text(traceback.format_exc())
-        raise UnexpectedError(f"{error}; full traceback: {log}") from None
-    finally:
-        summary = {**reward_summary(run.root / "metrics.jsonl"), "status": status, "restarts": restarts}
-        summary["wall_s"] = round(time.monotonic() - started, 1)
-        if run.first_step_at is not None:  # start-up: from the command to this process's first step
-            summary["startup_s"] = round(run.first_step_at - started, 1)
-            if "prepare" in run.marks:  # not after an automatic restart: its phases began earlier
-                summary["startup"] = startup_phases(started, run.marks, run.first_step_at)
-        if error:
-            summary["error"] = error
-        if status != "failed":
-            summary.update(last_checkpoint=str(progress.checkpoint or ""), **progress.details)
-        run.close(summary)
-    run.say(
-        f"\n{status} in {format_seconds(summary['wall_s'])}: {summary.get('steps', 0)} steps, mean reward "
-        f"{summary.get('reward_first_10pct', 0):.3f} (first 10%) -> {summary.get('reward_last_10pct', 0):.3f} "
-        f"(last 10%)\nrun files: {run.root} (config.yaml, metrics.jsonl, samples.jsonl, model/, checkpoints/, "
-        "tb/, logs/, summary.json)"
-    )
-    if progress.stopped:
-        run.say(f"resume with: tandem train --resume {run.root}")
-    return stop.exit_code
 
 
 def _render_launcher(args: argparse.Namespace) -> int:
@@ -431,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("train needs --config FILE.yaml (or --resume RUN_DIR)")
         address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
         return run_training(config, args.overrides + address, resume)
-    except _user_errors() as exc:
-        print(f"tandem: error: {_message(exc)}", file=sys.stderr)
+    except user_errors() as exc:
+        print(f"tandem: error: {error_message(exc)}", file=sys.stderr)
         return 2
     except UnexpectedError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ The rollout loop admits a prompt only while it can still be trained on within
 generated again. With ``max_staleness: 0`` the two loops alternate (synchronous RL).
 
 Nothing is lost: the prompt ledger (``launch/ledger.py``) knows every prompt admitted and not yet
-trained; checkpoints (``launch/checkpoints.py``) store it with the learner's state, and a resumed
+trained; checkpoints (``launch/saving.py``) store it with the learner's state, and a resumed
 run generates those prompts again. A dead generation actor is replaced (``launch/supervise.py``);
 a signal or the time limit stops at a step boundary (``launch/stopping.py``); a run that cannot
 learn stops and says why (``launch/health.py``).
@@ -18,12 +18,7 @@ learn stops and says why (``launch/health.py``).
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from actors.spec import ActorTimeouts
 from cluster.channel import WeightsTimeout
@@ -31,13 +26,13 @@ from cluster.dist_channel import WeightPushError
 from cluster.placement import reserve
 from cluster.timeline import Spans
 from launch.build import await_actors, build_generation_actors, build_learner_group, generation_actor, start_ray
-from launch.checkpoints import CheckpointError, CheckpointStore
 from launch.config import TandemConfig, parse_duration
 from launch.evaluation import Evaluator, eval_line
 from launch.health import RunHealth
 from launch.ledger import PromptLedger
 from launch.plan import build_plan
 from launch.run_dir import RunLog
+from launch.saving import Progress, Resume, RunSaver
 from launch.stepping import (
     ActorFailed,
     BatchCollector,
@@ -63,25 +58,6 @@ class LearnerFailed(RuntimeError):
 
 # failures after which the learner still holds a good state: the run checkpoints before it stops
 CHECKPOINT_ON = (ActorFailed, DataTimeout, WeightsTimeout, WeightPushError)
-
-
-@dataclass
-class Resume:
-    """Where a resumed run starts: the checkpoint directory and its run state."""
-
-    path: Path
-    state: dict[str, Any]
-
-
-@dataclass
-class Progress:
-    """How far the run got (for the summary and the resume line)."""
-
-    done: int = 0  # steps completed
-    checkpoint: Path | None = None
-    checkpoint_s: float = 0.0
-    stopped: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def resume_hint(run: RunLog) -> str:
@@ -124,7 +100,6 @@ async def train(
     renderer = PromptRenderer.load(model_path, cfg.data.chat_template, cfg.data.system_prompt)
     stream = PromptStream(rows, cfg.run.seed, cfg.data.shuffle)
     ledger = PromptLedger.restore(stream, state["ledger"]) if resume else PromptLedger(stream)
-    store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
     health = RunHealth(cfg.learner.lr, cfg.reward.max_error_steps, cfg.run.max_nonfinite_steps, run.say)
     health.restore(state.get("health", {}))
 
@@ -185,6 +160,18 @@ async def train(
         else "the distributed weight channel is one process group and cannot take a new actor",
         restarts=state.get("restarts"),
     )
+    saver = RunSaver(
+        cfg,
+        run,
+        learner,
+        progress,
+        lambda: {
+            "ledger": ledger.state(),
+            "learner": learner.state(),
+            "restarts": dict(pool.restarts),
+            "health": health.state(),
+        },
+    )
     run.say(f"training {steps} steps: {P} prompts x {cfg.rollout.group_size} samples per step, max staleness {k}")
 
     async def rollout_loop() -> None:
@@ -215,24 +202,6 @@ async def train(
         if ledger.is_outstanding(group.prompt_id):
             ledger.again([group.prompt_id])
             await pace.drop()
-
-    async def checkpoint() -> None:
-        done, t0 = progress.done, time.monotonic()
-        partial = store.begin(done)
-        await learner.save_checkpoint(str(partial))
-        if cfg.run.save_every and done % cfg.run.save_every == 0:
-            await learner.save_model(str(partial / "model"))
-        run_state = {
-            "step": done,
-            "version": done,
-            "ledger": ledger.state(),
-            "learner": learner.state(),
-            "restarts": dict(pool.restarts),
-            "health": health.state(),
-        }
-        progress.checkpoint, size = store.commit(partial, done, run_state)
-        progress.checkpoint_s = time.monotonic() - t0
-        run.say(f"checkpoint: {progress.checkpoint} ({size / 1e6:.1f} MB in {progress.checkpoint_s:.1f}s)")
 
     async def collect_or_stop(collector: BatchCollector, step: int):
         collecting = asyncio.ensure_future(collector.collect(P, step=step, max_staleness=k))
@@ -303,35 +272,13 @@ async def train(
                     evaluator.start(progress.done, version=progress.done)
                 every = cfg.run.checkpoint_every
                 if every and progress.done % every == 0 and progress.done < steps:
-                    await checkpoint()
+                    await saver.checkpoint()
             if evaluator.pending:  # the rounds still out (the last one at least) come back before the end
                 await collector.drain_eval(lambda: evaluator.pending, cfg.run.data_timeout_s)
         finally:
             evaluator.give_up()
             collector.close()
             run.timeline(driver_spans.take())  # the wait of a step that did not train (a stop, an error)
-
-    def checkpoint_due() -> bool:
-        """Steps were trained since the newest checkpoint."""
-        last = progress.checkpoint
-        return progress.done > 0 and (last is None or last.name != f"step-{progress.done}")
-
-    async def finish() -> None:
-        """A clean end (all steps, a signal, the time limit): checkpoint, then the model."""
-        if progress.done == 0:
-            run.say("stopped before the first step: nothing to checkpoint")
-            return
-        if not cfg.run.save_final:
-            run.say(f"not saved (run.save_final: false): {progress.done} steps trained")
-            return
-        if checkpoint_due():
-            await checkpoint()
-        partial, final = run.root / ".partial-model", run.root / "model"
-        shutil.rmtree(partial, ignore_errors=True)
-        await learner.save_model(str(partial))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        run.say(f"model: {final} (Hugging Face format, step {progress.done})")
 
     driver_spans = Spans("driver", cfg.run.timeline)  # the learner's wait for each batch
     rollout = asyncio.create_task(rollout_loop())
@@ -340,13 +287,13 @@ async def train(
             run.timeline(await learner.publish_weights(first))  # receiver joins when its actor takes a prompt)
         await training_loop()
         progress.stopped = stop.reason
-        await finish()
+        await saver.finish()
     except CHECKPOINT_ON as exc:
         cause = getattr(exc, "cause", None)  # raised in a Ray actor: the original error, not the traceback
         exc = cause if isinstance(cause, CHECKPOINT_ON) else exc
-        if checkpoint_due():
+        if saver.checkpoint_due():
             try:
-                await asyncio.wait_for(checkpoint(), cfg.run.startup_timeout_s)
+                await asyncio.wait_for(saver.checkpoint(), cfg.run.startup_timeout_s)
             except Exception as ckpt_exc:  # the run's own error matters more
                 run.say(f"could not checkpoint: {type(ckpt_exc).__name__}: {ckpt_exc}")
         raise type(exc)(f"{exc}; checkpointed at step {progress.done}; resume with: {resume_hint(run)}") from None
@@ -389,15 +336,3 @@ async def train(
 
 def time_limit_s(cfg: TandemConfig) -> float | None:
     return parse_duration(cfg.run.time_limit) if cfg.run.time_limit is not None else None
-
-
-def check_resumable(state: dict[str, Any], rows: list[dict], cfg: TandemConfig) -> None:
-    """The data order of the checkpoint must be this run's."""
-    ledger = state["ledger"]
-    now = {"rows": len(rows), "seed": cfg.run.seed, "shuffle": cfg.data.shuffle}
-    then = {key: ledger[key] for key in now}
-    if then != now:
-        raise CheckpointError(
-            f"the data order changed since the checkpoint ({then} then, {now} now); resume with the same "
-            "data.prompts, run.seed and data.shuffle"
-        )

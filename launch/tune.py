@@ -244,7 +244,7 @@ def table(rec: Recommendation, limits: Thresholds) -> Any:
 
 def _probe(config: str, overrides: list[str], setting: Setting, steps: int, root: Path, index: int) -> Measurement:
     """Train ``steps`` steps with ``setting``; its output goes to ``root/probe-<i>.log``."""
-    from launch.cli import run_training
+    from launch.run import run_training
 
     name = f"probe{index}-k{setting.max_staleness}-{setting.weight_update}-a{setting.actors}r{setting.ranks}"
     trial = [

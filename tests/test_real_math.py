@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main, run_training
+from launch.cli import main
 from launch.example import MATH_CONFIG, prepare_math_model
+from launch.run import run_training
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,108 @@
+"""What a run keeps: checkpoints on the way, the final model at a clean end, and where a resume starts.
+
+A checkpoint is the learner's state (DeepSpeed's, through the learner group) plus the run state
+beside it: the step, the prompt ledger (every prompt admitted and not yet trained), the learner's
+counters, the actor restarts and the health counters. ``CheckpointStore`` writes it to a partial
+directory and commits it atomically; the final model is written the same way (``.partial-model``
+renamed to ``model``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launch.checkpoints import CheckpointError, CheckpointStore
+from launch.config import TandemConfig
+from launch.run_dir import RunLog
+
+
+@dataclass
+class Resume:
+    """Where a resumed run starts: the checkpoint directory and its run state."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+@dataclass
+class Progress:
+    """How far the run got (for the summary and the resume line)."""
+
+    done: int = 0  # steps completed
+    checkpoint: Path | None = None
+    checkpoint_s: float = 0.0
+    stopped: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class RunSaver:
+    """Checkpoints and the final model of one run.
+
+    ``run_state`` returns the driver's part of a checkpoint (ledger, learner counters, restarts,
+    health) at the moment it is taken; the step and version are added here.
+    """
+
+    def __init__(
+        self,
+        cfg: TandemConfig,
+        run: RunLog,
+        learner,
+        progress: Progress,
+        run_state: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.cfg, self.run, self.learner, self.progress = cfg, run, learner, progress
+        self.run_state = run_state
+        self.store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+
+    async def checkpoint(self) -> None:
+        progress = self.progress
+        done, t0 = progress.done, time.monotonic()
+        partial = self.store.begin(done)
+        await self.learner.save_checkpoint(str(partial))
+        if self.cfg.run.save_every and done % self.cfg.run.save_every == 0:
+            await self.learner.save_model(str(partial / "model"))
+        state = {"step": done, "version": done, **self.run_state()}
+        progress.checkpoint, size = self.store.commit(partial, done, state)
+        progress.checkpoint_s = time.monotonic() - t0
+        self.run.say(f"checkpoint: {progress.checkpoint} ({size / 1e6:.1f} MB in {progress.checkpoint_s:.1f}s)")
+
+    def checkpoint_due(self) -> bool:
+        """Steps were trained since the newest checkpoint."""
+        last, done = self.progress.checkpoint, self.progress.done
+        return done > 0 and (last is None or last.name != f"step-{done}")
+
+    async def finish(self) -> None:
+        """A clean end (all steps, a signal, the time limit): checkpoint, then the model."""
+        done, run = self.progress.done, self.run
+        if done == 0:
+            run.say("stopped before the first step: nothing to checkpoint")
+            return
+        if not self.cfg.run.save_final:
+            run.say(f"not saved (run.save_final: false): {done} steps trained")
+            return
+        if self.checkpoint_due():
+            await self.checkpoint()
+        partial, final = run.root / ".partial-model", run.root / "model"
+        shutil.rmtree(partial, ignore_errors=True)
+        await self.learner.save_model(str(partial))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        run.say(f"model: {final} (Hugging Face format, step {done})")
+
+
+def check_resumable(state: dict[str, Any], rows: list[dict], cfg: TandemConfig) -> None:
+    """The data order of the checkpoint must be this run's."""
+    ledger = state["ledger"]
+    now = {"rows": len(rows), "seed": cfg.run.seed, "shuffle": cfg.data.shuffle}
+    then = {key: ledger[key] for key in now}
+    if then != now:
+        raise CheckpointError(
+            f"the data order changed since the checkpoint ({then} then, {now} now); resume with the same "
+            "data.prompts, run.seed and data.shuffle"
+        )
