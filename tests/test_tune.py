@@ -144,7 +144,7 @@ def test_the_command_probes_in_turn_survives_a_failed_probe_and_stops_on_ctrl_c(
     """``run_tune`` end to end with each probe's training replaced by a written run directory:
     a probe that raises is a table row, a probe stopped by a signal ends the probing, and the
     recommendation and its overrides file come from the probes that finished."""
-    import launch.cli
+    import launch.run
     from launch.tune import run_tune
     from tests.report_runs import write_run
 
@@ -160,7 +160,7 @@ def test_the_command_probes_in_turn_survives_a_failed_probe_and_stops_on_ctrl_c(
         result["run_dir"] = str(write_run(Path(values["run.output_dir"]) / values["run.name"]))
         return 0
 
-    monkeypatch.setattr(launch.cli, "run_training", fake_training)
+    monkeypatch.setattr(launch.run, "run_training", fake_training)
     job = tmp_path / "job.yaml"
     job.write_text(f"model: {{path: m}}\ndata: {{prompts: p.jsonl}}\nreward: {{function: builtin:echo}}\n"
                    f"run: {{output_dir: {tmp_path / 'runs'}}}\n")  # fmt: skip
