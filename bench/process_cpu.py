@@ -112,7 +112,7 @@ def main() -> int:
 
     rows = []
     for pid, (name, cpu, threads) in last.items():
-        used = cpu - first[pid][1] if pid in first else cpu  # a process started in the window: all of it
+        used = cpu - first[pid][1] if pid in first else cpu  # its first read failed: all it used so far
         rows.append({"pid": pid, "process": name, "cpu_s": round(used, 2), "threads": threads})
     rows.sort(key=lambda r: -r["cpu_s"])
     total = sum(r["cpu_s"] for r in rows)
