@@ -10,13 +10,17 @@ learning rate and AdamW betas, no KL term (no reference model), one update per b
            0.050 at 512 on 2026-12-02)
   trl-1t : TRL's ``GRPOTrainer`` without vLLM (transformers ``generate``), one torch thread
   trl-2t : the same with two torch threads; the faster of the two is TRL's figure
+  vllm-1core : not a trainer: ``bench/vllm_one_core.py``, the actor's vLLM engine alone on one core
+           (one OpenMP thread), generating the same steps with the actor's sampling parameters.
+           Tandem's one actor cannot make steps faster than this, so it is Tandem's ceiling here
 Each contestant is a fresh child process; per round and per L they run one after another
 (tandem, trl-1t, trl-2t) so the machine's load falls on all alike.
 
 Printed per L: median over rounds of the steady steps/s ((n - 1) / (t_last - t_first) over the
 per-step end times: step 0's warm-up is left out), completion tokens/s (128 x L x steps/s),
-start-up (process start to the first step's end) and RATIO Tandem / best TRL. Every run's mean
-completion length is checked to be L. Raw figures: ``--out`` (bench/results/vs_trl.json).
+start-up (process start to the first step's end), RATIO Tandem / best TRL, and CEILING: one vLLM
+core / best TRL (the most any overlap could give Tandem) with Tandem's share of it. Every run's
+completion lengths are checked to be L. Raw figures: ``--out`` (bench/results/vs_trl.json).
 ``--root DIR`` runs Tandem from another checkout (e.g. an older ``git worktree``) for "before" figures.
 Needs TRL: ``pip install -e .[bench]``.
 Run: .venv/bin/python bench/vs_trl.py [--lengths 128,512,2048 --rounds 2 --steps N]
@@ -43,7 +47,8 @@ PROMPTS, GROUP = 16, 8
 COMPLETIONS = PROMPTS * GROUP  # per optimizer step, both sides
 DEFAULT_STEPS = {128: 8, 512: 5, 2048: 3}
 THREADS = (1, 2)
-CONTESTANTS = ["tandem", *(f"trl-{t}t" for t in THREADS)]  # the order they run in, per round and L
+CEILING = "vllm-1core"  # bench/vllm_one_core.py: Tandem's one engine alone on one core, generation only
+CONTESTANTS = ["tandem", *(f"trl-{t}t" for t in THREADS), CEILING]  # the order they run in, per round and L
 
 
 def default_steps(length: int) -> int:
@@ -220,6 +225,22 @@ def run_tandem(length: int, steps: int, args: argparse.Namespace, out: Path) -> 
     }
 
 
+def run_ceiling(length: int, steps: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "vllm_one_core.py"), "--model", args.model]
+    cmd += ["--length", str(length), "--steps", str(steps)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.monotonic() - start
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise SystemExit(f"{CEILING} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    r = json.loads(line[len("RESULT ") :])
+    times, lengths = r.pop("step_end"), r.pop("lengths")
+    if len(times) != steps or set(lengths) != {length}:
+        raise SystemExit(f"{CEILING}: {len(times)} steps (wanted {steps}), completion lengths {set(lengths)}")
+    return {"steps_s": steady(times), "startup_s": times[0] - start, "wall_s": wall, "completion_len": length, **r}
+
+
 def summarise(runs: list[dict], length: int) -> dict:
     """Medians per contestant for one L, the best TRL thread count and Tandem / best TRL."""
     by = {}
@@ -234,7 +255,14 @@ def summarise(runs: list[dict], length: int) -> dict:
             "completion_len": statistics.mean(r["completion_len"] for r in rs),
         }
     best = max((f"trl-{t}t" for t in THREADS), key=lambda n: by[n]["steps_s"])
-    return {"contestants": by, "best_trl": best, "ratio": by["tandem"]["steps_s"] / by[best]["steps_s"]}
+    tandem, trl, ceiling = (by[n]["steps_s"] for n in ("tandem", best, CEILING))
+    return {
+        "contestants": by,
+        "best_trl": best,
+        "ratio": tandem / trl,
+        "ceiling_ratio": ceiling / trl,
+        "tandem_of_ceiling": tandem / ceiling,
+    }
 
 
 def print_summary(length: int, s: dict) -> None:
@@ -246,6 +274,10 @@ def print_summary(length: int, s: dict) -> None:
             f"{c['completion_len']:>10.1f}"
         )
     print(f"RATIO tandem / best TRL ({s['best_trl']}) steady steps/s at L={length}: {s['ratio']:.2f}x")
+    print(
+        f"CEILING {CEILING} / best TRL at L={length}: {s['ceiling_ratio']:.2f}x "
+        f"(Tandem reaches {s['tandem_of_ceiling']:.0%} of its one engine's rate)"
+    )
 
 
 def versions() -> dict:
@@ -301,12 +333,14 @@ def main() -> None:
                     if name == "tandem":
                         (out := Path(tmp) / f"tandem-r{i}-L{length}").mkdir()
                         figures = run_tandem(length, n, args, out)
+                    elif name == CEILING:
+                        figures = run_ceiling(length, n, args)
                     else:
                         figures = run_trl(int(name.removeprefix("trl-").removesuffix("t")), length, n, args)
                     r = {"contestant": name, "round": i, "length": length, "steps": n, **figures}
                     runs.append(r)
                     print(
-                        f"round {i + 1}/{args.rounds} L={length:<5} {name:<8} {r['steps_s']:.4f} steps/s "
+                        f"round {i + 1}/{args.rounds} L={length:<5} {name:<10} {r['steps_s']:.4f} steps/s "
                         f"({COMPLETIONS * length * r['steps_s']:.0f} tok/s), start-up {r['startup_s']:.1f}s, "
                         f"mean len {r['completion_len']:.1f}, wall {r['wall_s']:.0f}s",
                         flush=True,
