@@ -10,6 +10,14 @@ that stalls synchronous RL. The learning rate is tiny so the distribution stays 
 Printed: wall time of the training phase (first to last step) and of the whole run,
 their ratio, the learner's idle fraction (time waiting for data / step time) and the overlap
 (the share of the learner's training time during which an actor generated, from the timeline).
+
+Also printed, the BOUND of overlap on this machine: in the sync run a step is the wait for
+generation G plus training T, and the learner's idle share is G / (G + T). Two processes that each
+keep their own work make a step no shorter than max(G, T), so async can be at most
+(G + T) / max(G, T) = 1 / max(idle, 1 - idle) faster, at the sync run's cost per step. Going past it needs less work per step, not
+more overlap: e.g. an engine that is underused while a sync step waits for its longest completion
+(a GPU's batch) and that async fills with the next step's prompts. On the CPU the engine's cost per
+token per sequence is nearly flat in the batch size, so there is little such slack to fill.
 Run: .venv/bin/python bench/async_vs_sync.py [--steps 12 --max-tokens 384]
 """
 
@@ -100,6 +108,11 @@ def main() -> None:
             f"{r['overlap'] or 0:>8.0%}"
         )
     sync = results["sync k=0"]
+    idle = sync["learner_idle"]
+    print(
+        f"\nBOUND of overlapping the sync run's generation and training: 1 / max({idle:.2f}, {1 - idle:.2f}) = "
+        f"{1 / max(idle, 1 - idle):.2f}x"
+    )
     for name, r in list(results.items())[1:]:
         print(
             f"\nRATIO sync / {name} training-phase wall time: {sync['train_phase_s'] / r['train_phase_s']:.2f}x "

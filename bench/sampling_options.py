@@ -1,8 +1,10 @@
 """vLLM's per-sequence work on the CPU: what each sampling option costs in generation tokens/s.
 
 One in-process ``vllm.LLM`` on the tiny model (as a generation actor holds it: eager, dynamo off,
-one core), one step of 16 prompts x 8 completions forced to exactly ``--tokens`` tokens, once per
-variant per round, the variants interleaved so the machine's load falls on all:
+pinned to core 0 with one OpenMP thread; unpinned, vLLM on CPU starts a second OpenMP thread and
+uses 1.3-1.6 cores, which a Ray actor with one CPU never has), one step of 16 prompts x 8
+completions forced to exactly ``--tokens`` tokens, once per variant per round, the variants
+interleaved so the machine's load falls on all:
 
   actor (before)  : per-prompt seeds, the sampled token's logprob, vLLM detokenises (the actors until
                     2026-12-02)
@@ -40,7 +42,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default=None, help="a tiny model directory (built there if missing)")
     args = parser.parse_args()
+    os.sched_setaffinity(0, {0})  # before torch starts its threads: they inherit it
     os.environ.update(
+        OMP_NUM_THREADS="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         TOKENIZERS_PARALLELISM="false",
         VLLM_CPU_OMP_THREADS_BIND="0",
