@@ -42,30 +42,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default=None, help="a tiny model directory (built there if missing)")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {0})  # before torch starts its threads: they inherit it
-    os.environ.update(
-        OMP_NUM_THREADS="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        TOKENIZERS_PARALLELISM="false",
-        VLLM_CPU_OMP_THREADS_BIND="0",
-        TORCHDYNAMO_DISABLE="1",
-    )
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from vllm import LLM, SamplingParams
+    from bench.vllm_one_core import one_core_engine, pin_to_one_core
 
-    from actors.spec import decode_completions
+    pin_to_one_core(0)  # before building the model imports torch
     from actors.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(args.model or os.path.join(tempfile.mkdtemp(), "tiny"), max_positions=4096))
     L = args.tokens
-    llm = LLM(
-        model=model,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        kv_cache_memory_bytes=1 << 30,
-        max_model_len=L + 64,
-    )
+    llm = one_core_engine(model, L + 64)
+    from vllm import SamplingParams
+
+    from actors.spec import decode_completions
+
     tokenizer = llm.get_tokenizer()
     prompts = [f"next {i % 10}:" for i in range(PROMPTS)]
 

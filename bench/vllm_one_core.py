@@ -26,6 +26,33 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP = 16, 8
 
 
+def pin_to_one_core(core: int = 0) -> None:
+    """This process on ``core`` alone with one OpenMP thread, as a CPU generation actor runs. Call it
+    before anything imports torch: its OpenMP library reads the thread count once, when it loads."""
+    os.sched_setaffinity(0, {core})
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # as in the actor: the engine in this process
+        TORCHDYNAMO_DISABLE="1",  # as an eager actor (actors/environment.py)
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def one_core_engine(model: str, max_model_len: int):
+    """An in-process ``vllm.LLM`` with the actor's engine settings (after ``pin_to_one_core``)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,
+        max_model_len=max_model_len,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="an existing tiny model directory")
@@ -33,30 +60,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--core", type=int, default=0)
     args = parser.parse_args()
-    os.sched_setaffinity(0, {args.core})  # before torch starts any thread: they inherit it
-    os.environ.update(
-        OMP_NUM_THREADS="1",
-        VLLM_CPU_OMP_THREADS_BIND=str(args.core),
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # as in the actor: the engine in this process
-        TORCHDYNAMO_DISABLE="1",  # as an eager actor (actors/environment.py)
-        TOKENIZERS_PARALLELISM="false",
-    )
+    pin_to_one_core(args.core)  # first: nothing has imported torch yet
+    L = args.length
+    llm = one_core_engine(args.model, L + 64)
     sys.path.insert(0, str(ROOT))
-    from vllm import LLM
-
     from actors.config import RolloutConfig
     from actors.spec import decode_completions, sampling_params
 
-    L = args.length
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_tokens=L, min_tokens=L)
-    llm = LLM(
-        model=args.model,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        kv_cache_memory_bytes=1 << 30,
-        max_model_len=L + 64,
-    )
     tokenizer = llm.get_tokenizer()
     step_end, lengths = [], []
     for step in range(args.steps):
