@@ -14,7 +14,7 @@ learning rate and AdamW betas, no KL term (no reference model), one update per b
            (one OpenMP thread), generating the same steps with the actor's sampling parameters.
            Tandem's one actor cannot make steps faster than this, so it is Tandem's ceiling here
 Each contestant is a fresh child process; per round and per L they run one after another
-(tandem, trl-1t, trl-2t) so the machine's load falls on all alike.
+(tandem, trl-1t, trl-2t, vllm-1core) so the machine's load falls on all alike.
 
 Printed per L: median over rounds of the steady steps/s ((n - 1) / (t_last - t_first) over the
 per-step end times: step 0's warm-up is left out), completion tokens/s (128 x L x steps/s),
@@ -242,7 +242,8 @@ def run_ceiling(length: int, steps: int, args: argparse.Namespace) -> dict:
 
 
 def summarise(runs: list[dict], length: int) -> dict:
-    """Medians per contestant for one L, the best TRL thread count and Tandem / best TRL."""
+    """Medians per contestant for one L, the best TRL thread count, Tandem / best TRL, the ceiling /
+    best TRL and Tandem / the ceiling."""
     by = {}
     for name in CONTESTANTS:
         rs = [r for r in runs if r["contestant"] == name and r["length"] == length]
