@@ -14,11 +14,11 @@ their ratio, the learner's idle fraction (time waiting for data / step time) and
 Also printed, the BOUND of overlap on this machine: in the sync run a step is the wait for
 generation G plus training T, and the learner's idle share is G / (G + T). Two processes that each
 keep their own work make a step no shorter than max(G, T), so async can be at most
-(G + T) / max(G, T) = 1 / max(idle, 1 - idle) faster, at the sync run's cost per step. Going past it needs less work
-per step, not more overlap: e.g. an engine that is underused while a sync step waits for its longest
-completion (a GPU's batch) and that async fills with the next step's prompts. On the CPU the
-engine's cost per token per sequence is nearly flat in the batch size, so there is little such slack
-to fill.
+(G + T) / max(G, T) = 1 / max(idle, 1 - idle) faster, at the sync run's cost per step. Going past
+it needs less work per step, not more overlap: e.g. an engine that is underused while a sync step
+waits for its longest completion (a GPU's batch) and that async fills with the next step's
+prompts. On the CPU the engine's cost per token per sequence is nearly flat in the batch size, so
+there is little such slack to fill.
 
 Run: .venv/bin/python bench/async_vs_sync.py [--steps 12 --max-tokens 384]
 """

@@ -142,19 +142,25 @@ def trl_child(argv: list[str]) -> None:
     print("RESULT " + json.dumps({**result, "threads": torch.get_num_threads()}), flush=True)
 
 
+def child_result(cmd: list[str], name: str, env: dict | None = None) -> tuple[dict, float, float]:
+    """Run a bench child to its end; its ``RESULT {json}`` line, its start (``time.monotonic``, the
+    clock of the child's step times) and its wall seconds. A failed child stops the bench with its logs."""
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.monotonic() - start
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise SystemExit(f"{name} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT ") :]), start, wall
+
+
 def run_trl(threads: int, length: int, steps: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--threads", str(threads), "--length", str(length)]
     cmd += ["--steps", str(steps), "--lr", str(args.lr), "--betas", *map(str, args.betas)]
     cmd += ["--micro", str(args.trl_micro_batch), "--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    start = time.monotonic()  # CLOCK_MONOTONIC: the same clock as the child's step times
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    wall = time.monotonic() - start
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise SystemExit(f"trl {threads}t run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    r = json.loads(line[len("RESULT ") :])
+    r, start, wall = child_result(cmd, f"trl {threads}t", env)
     times = r.pop("step_end")
     lengths = r.pop("completion_len")
     if len(times) != steps or r["completion_len_min"] != length or r["completion_len_max"] != length:
@@ -228,13 +234,7 @@ def run_tandem(length: int, steps: int, args: argparse.Namespace, out: Path) -> 
 def run_ceiling(length: int, steps: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "vllm_one_core.py"), "--model", args.model]
     cmd += ["--length", str(length), "--steps", str(steps)]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.monotonic() - start
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise SystemExit(f"{CEILING} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    r = json.loads(line[len("RESULT ") :])
+    r, start, wall = child_result(cmd, CEILING)
     times, lengths = r.pop("step_end"), r.pop("lengths")
     if len(times) != steps or set(lengths) != {length}:
         raise SystemExit(f"{CEILING}: {len(times)} steps (wanted {steps}), completion lengths {set(lengths)}")
