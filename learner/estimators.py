@@ -39,11 +39,19 @@ PerSequence = dict[str, Tensor]  # name -> [n] (rank side) or [N] (driver side)
 class TokenRewards:
     """What a rank's estimator halves see: ``[n, T]`` over its sequences' completion tokens."""
 
-    rewards: Tensor  # r_t: shaped sequence reward on the last real token, - beta KL_t when the KL is in the reward
-    mask: Tensor  # 1 on trained tokens
+    rewards: Tensor  # r_t: shaped sequence reward on the last completion token, - beta KL_t with KL in the reward
+    mask: Tensor  # 1 on trained tokens: where advantages may be non-zero
     values: Tensor | None = None  # V_old(s_t) from the critic (PPO)
     step_rewards: Tensor | None = None  # process supervision: each step's reward at its step-end token
     step_end: Tensor | None = None  # 1 at step-end tokens
+    completion: Tensor | None = None  # 1 on every completion token, trained or not (None: same as mask)
+
+    @property
+    def sequence(self) -> Tensor:
+        """The tokens a sequence's statistics are taken over: the whole completion. A completion that
+        trains no token (``algorithm.mask_truncated``) still counts in its group's and the batch's
+        baselines with its reward."""
+        return self.mask if self.completion is None else self.completion
 
 
 class AdvantageEstimator(Protocol):
@@ -62,7 +70,7 @@ class GroupOutcome:
     advantages: Callable[[Tensor, int], Tensor]  # ([N] sequence rewards, G) -> [N]
 
     def summarise(self, tokens: TokenRewards) -> PerSequence:
-        return {"reward": (tokens.rewards * tokens.mask).sum(-1)}  # R_i (KL-shaped when in the reward)
+        return {"reward": (tokens.rewards * tokens.sequence).sum(-1)}  # R_i (KL-shaped when in the reward)
 
     def reduce(self, sums: PerSequence, group_size: int) -> PerSequence:
         return {"advantage": self.advantages(sums["reward"], group_size)}
@@ -78,15 +86,15 @@ class ReinforceBaseline:
     gamma: float
 
     def summarise(self, tokens: TokenRewards) -> PerSequence:
-        return {"return": reward_to_go(tokens.rewards, tokens.mask, self.gamma)[:, 0]}  # G_{i,0}
+        return {"return": reward_to_go(tokens.rewards, tokens.sequence, self.gamma)[:, 0]}  # G_{i,0}
 
     def reduce(self, sums: PerSequence, group_size: int) -> PerSequence:
         returns = sums["return"]
         return {"baseline": returns.mean().expand_as(returns)}  # b = mean_i G_{i,0}, on every row
 
     def expand(self, tokens: TokenRewards, per_sequence: PerSequence) -> tuple[Tensor, Tensor | None]:
-        to_go = reward_to_go(tokens.rewards, tokens.mask, self.gamma)  # G_t
-        return (to_go - per_sequence["baseline"].unsqueeze(-1)) * tokens.mask, None  # A_t = G_t - b
+        to_go = reward_to_go(tokens.rewards, tokens.sequence, self.gamma)  # G_t over the whole completion
+        return (to_go - per_sequence["baseline"].unsqueeze(-1)) * tokens.mask, None  # A_t = G_t - b, trained only
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ class ProcessSteps:
     eps: float
 
     def summarise(self, tokens: TokenRewards) -> PerSequence:
-        count, total, total_sq = step_moments(tokens.step_rewards, tokens.step_end, tokens.mask)
+        count, total, total_sq = step_moments(tokens.step_rewards, tokens.step_end, tokens.sequence)
         return {"steps": count, "step_sum": total, "step_sq": total_sq}
 
     def reduce(self, sums: PerSequence, group_size: int) -> PerSequence:
@@ -124,6 +132,6 @@ class ProcessSteps:
     def expand(self, tokens: TokenRewards, per_sequence: PerSequence) -> tuple[Tensor, Tensor | None]:
         t = tokens
         normalised = normalise_step_rewards(
-            t.step_rewards, t.step_end, t.mask, per_sequence["step_mean"], per_sequence["step_std"], self.eps
+            t.step_rewards, t.step_end, t.sequence, per_sequence["step_mean"], per_sequence["step_std"], self.eps
         )
-        return accumulate_step_rewards(normalised, t.step_end, t.mask), None
+        return accumulate_step_rewards(normalised, t.step_end, t.sequence) * t.mask, None  # trained tokens only

@@ -53,11 +53,18 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 def sequence_rewards(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[N]`` task rewards, truncated flags and trained-token counts of ``trajs``."""
+    """``[N]`` task rewards, truncated flags and completion lengths of ``trajs``, read from the
+    trajectories themselves: a completion that trains no token keeps its length (and so its
+    overlong penalty)."""
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
-    lengths = torch.tensor([int(np.sum(t.completion_mask)) for t in trajs], dtype=torch.float)
+    lengths = torch.tensor([len(t.completion_token_ids) for t in trajs], dtype=torch.float)
     return rewards, truncated, lengths
+
+
+def trained_tokens(trajs: list[Trajectory]) -> torch.Tensor:
+    """``[N]`` tokens each trajectory trains on (its loss mask's sum): the loss normalisers."""
+    return torch.tensor([int(np.sum(t.completion_mask)) for t in trajs], dtype=torch.float)
 
 
 def without_tokens(traj: Trajectory) -> Trajectory:
@@ -92,8 +99,9 @@ class LearnerGroup:
         trajs = [t for g in groups for t in g.trajectories]  # group order
         if algo.mask_truncated:  # overlong filtering: cut completions count in their group, train no token
             trajs = [without_tokens(t) if t.finish_reason == "length" else t for t in trajs]
-        rewards, truncated, trained = sequence_rewards(trajs)
-        shaped = shape_sequence_rewards(rewards, truncated, trained, algo, self.max_tokens, self.reward_stats)
+        rewards, truncated, lengths = sequence_rewards(trajs)
+        shaped = shape_sequence_rewards(rewards, truncated, lengths, algo, self.max_tokens, self.reward_stats)
+        trained = trained_tokens(trajs)
         steps = algo.method.per_step_rewards
         ranks = len(self.workers)
         return plan_step(trajs, shaped, trained, ranks, self.token_budget, algo.minibatches, algo.epochs, steps)

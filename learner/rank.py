@@ -146,9 +146,10 @@ class RankStep:
         batch, kl_cfg = self.batch, self.algorithm.kl
         mask = batch.column("completion_mask")
         kl = self.kl(batch.column("old_logprobs"), batch.column("ref_logprobs"), mask) if self.kl else None  # [n, T]
-        rewards = token_rewards(batch.rewards, kl if kl_cfg.in_reward else None, mask, kl_beta)
+        completion = batch.valid.to(mask.dtype)  # [n, T]; every completion token, trained or not
+        rewards = token_rewards(batch.rewards, kl if kl_cfg.in_reward else None, mask, kl_beta, completion)
         step_rewards, step_end = batch.step_rewards() if self.algorithm.method.per_step_rewards else (None, None)
-        self.tokens = TokenRewards(rewards, mask, batch.column("old_values"), step_rewards, step_end)
+        self.tokens = TokenRewards(rewards, mask, batch.column("old_values"), step_rewards, step_end, completion)
         per_sequence = {name: v.numpy() for name, v in self.estimator.summarise(self.tokens).items()}
         kl_sum = float((kl * mask).sum()) if kl is not None else 0.0
         return RankSummary(per_sequence, kl_sum, float(mask.sum()))

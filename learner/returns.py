@@ -48,7 +48,8 @@ def shape_sequence_rewards(
 ) -> Tensor:
     """Step 1: ``[N]`` rewards after the EOS trick, normalisation and whitening (updates ``stats``).
 
-    ``truncated`` ``[N]`` bool: cut at ``max_tokens``; ``lengths`` ``[N]``: trained completion tokens.
+    ``truncated`` ``[N]`` bool: cut at ``max_tokens``; ``lengths`` ``[N]``: completion tokens, trained or not
+    (a truncated completion whose tokens are masked out still has its length, and its penalty).
     """
     r = rewards.float()
     if algorithm.truncation_penalty is not None:
@@ -64,7 +65,11 @@ def shape_sequence_rewards(
     return r
 
 
-def token_rewards(sequence_rewards: Tensor, kl: Tensor | None, mask: Tensor, kl_beta: float) -> Tensor:
-    """Step 2: ``[n, T]`` per-token rewards, ``r_t = -beta KL_t`` (``kl`` given only when the KL is
-    in the reward) plus the sequence reward on the last real token."""
-    return kl_reward_shaping(sequence_rewards, kl if kl is not None else torch.zeros_like(mask), mask, kl_beta)
+def token_rewards(
+    sequence_rewards: Tensor, kl: Tensor | None, mask: Tensor, kl_beta: float, completion: Tensor | None = None
+) -> Tensor:
+    """Step 2: ``[n, T]`` per-token rewards, ``r_t = -beta KL_t`` on trained tokens (``mask``; ``kl`` given
+    only when the KL is in the reward) plus the sequence reward on the last token of the completion
+    (``completion``, default ``mask``): a completion that trains no token keeps its reward."""
+    kl = kl if kl is not None else torch.zeros_like(mask)
+    return kl_reward_shaping(sequence_rewards, kl, mask, kl_beta, completion)

@@ -198,3 +198,25 @@ def test_policy_scores_before_training_only_when_an_update_or_a_kl_needs_it(tiny
     step(group, batches())
     assert (False in modes) is scoring_pass
     assert True in modes
+
+
+def test_masked_truncated_reward_counts_in_its_group_through_the_ranks(tiny_model_dir, monkeypatch):
+    # The product's path (plan, shards, RankStep.summarise/expand, the driver's reduction): one group
+    # {cut r=1 -> penalty -1; finished r=1; finished r=0} gives A = [-1.2247, 1.2247, 0] unmasked; with
+    # algorithm.mask_truncated the cut row trains nothing and the others keep 1.2247 and 0 (on main before
+    # the fix: 1.414 and -0.707, the cut row counted as reward 0).
+    seen: list = []
+    expand = RankStep.expand
+
+    def recording(self, per_sequence):
+        out = expand(self, per_sequence)
+        seen.append(self.batch.column("advantages").clone())
+        return out
+
+    monkeypatch.setattr(RankStep, "expand", recording)
+    group = make_group(0, [1.0, 1.0, 0.0], completion_len=3)
+    group.trajectories[0].finish_reason = "length"
+    step(fake_group(tiny_model_dir, "algorithm.truncation_penalty=-1", "algorithm.mask_truncated=true"), [group])
+    a = 1 / (2 / 3) ** 0.5
+    assert sorted(seen[0][:, 0].tolist()) == pytest.approx([0.0, 0.0, a], abs=1e-4)
+    assert seen[0].abs().sum().item() == pytest.approx(3 * a, abs=1e-3)  # a on the finished right answer's 3 tokens

@@ -39,6 +39,7 @@ class Batch:
     values: torch.Tensor | None = None  # [N, T] V_old
     step_rewards: torch.Tensor | None = None
     step_end: torch.Tensor | None = None
+    completion: torch.Tensor | None = None  # [N, T] every completion token (None: the mask)
 
 
 def batch(rewards, lengths, group_size=2, truncated=None, T=None) -> Batch:
@@ -55,7 +56,9 @@ def shape(b: Batch, cfg: AlgorithmConfig, max_tokens: int, stats: RewardStats) -
 
 def _rows(t: TokenRewards, rows: list[int]) -> TokenRewards:
     pick = lambda x: None if x is None else x[rows]  # noqa: E731
-    return TokenRewards(t.rewards[rows], t.mask[rows], pick(t.values), pick(t.step_rewards), pick(t.step_end))
+    return TokenRewards(
+        t.rewards[rows], t.mask[rows], pick(t.values), pick(t.step_rewards), pick(t.step_end), pick(t.completion)
+    )
 
 
 def estimate(cfg: AlgorithmConfig, b: Batch, kl_beta: float = 0.0, ranks: list[list[int]] | None = None):
@@ -65,8 +68,8 @@ def estimate(cfg: AlgorithmConfig, b: Batch, kl_beta: float = 0.0, ranks: list[l
     estimator = cfg.method.estimator(cfg)
     N = b.mask.shape[0]
     kl = b.kl if cfg.kl.in_reward else None
-    rewards = token_rewards(b.rewards, kl, b.mask, kl_beta if cfg.kl.in_reward else 0.0)
-    tokens = TokenRewards(rewards, b.mask, b.values, b.step_rewards, b.step_end)
+    rewards = token_rewards(b.rewards, kl, b.mask, kl_beta if cfg.kl.in_reward else 0.0, b.completion)
+    tokens = TokenRewards(rewards, b.mask, b.values, b.step_rewards, b.step_end, b.completion)
     ranks = ranks or [list(range(N))]
     gathered: dict[str, torch.Tensor] = {}
     for rows in ranks:
@@ -266,3 +269,68 @@ def test_advantages_split_over_ranks_equal_the_whole_batch(name):
         whole[[7, 1, 6, 2, 4]], b.mask[[7, 1, 6, 2, 4]]
     )
     torch.testing.assert_close(whiten(whole[:3], b.mask[:3], moments=moments), whiten(whole, b.mask)[:3])
+
+
+# --- algorithm.mask_truncated: a completion that trains no token still counts in its baselines -------------
+def masked_first_row(b: Batch) -> Batch:
+    """Row 0 trains no token (its loss mask zeroed, as mask_truncated does) but keeps its completion."""
+    b.completion = b.mask.clone()
+    b.mask = b.mask.clone()
+    b.mask[0] = 0.0
+    return b
+
+
+def test_masked_truncated_reward_still_counts_in_the_group_baseline():
+    # {truncated r=1 -> penalty -1; finished r=1; finished r=0}: shaped [-1, 1, 0], mean 0,
+    # population std sqrt(2/3) = 0.8165 -> A = [-1.2247, 1.2247, 0]. Masking row 0 removes its tokens
+    # from the loss only: rows 1 and 2 keep 1.2247 and 0 (before the fix: 1.414 and -0.707, row 0 as 0).
+    cfg = algo("algorithm.truncation_penalty=-1", "algorithm.mask_truncated=true")
+    b = batch([1.0, 1.0, 0.0], [3, 2, 2], group_size=3, truncated=[True, False, False])
+    b.rewards = shape(b, cfg, max_tokens=3, stats=RewardStats())
+    assert b.rewards.tolist() == [-1.0, 1.0, 0.0]
+    unmasked, _ = estimate(cfg, b)
+    masked, _ = estimate(cfg, masked_first_row(b))
+    a = 1 / (2 / 3) ** 0.5  # 1.2247
+    assert unmasked[:, 0].tolist() == pytest.approx([-a, a, 0.0], abs=1e-5)
+    assert masked[0].abs().sum() == 0.0  # it trains nothing ...
+    assert masked[1:, 0].tolist() == pytest.approx([a, 0.0], abs=1e-5)  # ... and its reward still counts
+    torch.testing.assert_close(masked[1:], unmasked[1:])
+
+
+@pytest.mark.parametrize("name", ["rloo", "dr_grpo", "gspo", "reinforce"])
+def test_masking_a_row_changes_no_other_rows_advantages(name):
+    b = batch([1.0, 0.0, 0.5, 0.25], [3, 2, 2, 1], group_size=4)
+    unmasked, _ = estimate(algo(f"algorithm.name={name}"), b)
+    masked, _ = estimate(algo(f"algorithm.name={name}"), masked_first_row(b))
+    assert masked[0].abs().sum() == 0.0
+    torch.testing.assert_close(masked[1:], unmasked[1:])
+
+
+def test_masked_truncated_completion_keeps_its_soft_overlong_penalty():
+    # max 4, ramp over the last 2: a cut completion of 4 tokens gets 1 - 1 = 0 whether or not its tokens
+    # train; the length is the completion's, not its trained tokens' (before: 0 tokens -> no penalty, [1, 1]).
+    from learner.group import sequence_rewards
+    from tests.fakes import make_trajectory
+
+    cut = make_trajectory([5, 6], [7, 8, 9, 10], 1.0, 0)
+    cut.finish_reason = "length"
+    cut.completion_mask[:] = 0  # as mask_truncated leaves it
+    done = make_trajectory([5, 6], [7, 8], 1.0, 0)
+    rewards, truncated, lengths = sequence_rewards([cut, done])
+    assert lengths.tolist() == [4.0, 2.0]
+    cfg = algo("rollout.max_tokens=4", "algorithm.soft_overlong={cache_len: 2, factor: 1.0}")
+    shaped = shape_sequence_rewards(rewards, truncated, lengths, cfg, 4, RewardStats())
+    assert shaped.tolist() == pytest.approx([0.0, 1.0])
+
+
+def test_masked_row_steps_count_in_the_process_statistics():
+    # grpo_process, G = 2: row 0 (masked) has steps [1, 1], row 1 has steps [0, 0]; pooled mean 0.5,
+    # population std 0.5 -> row 1's normalised steps are -1, -1 -> A_1 = [-2, -1] at tokens 0, 1.
+    # Without row 0's steps the pool is [0, 0]: std 0, A_1 = 0 (before the fix).
+    cfg = algo("algorithm.name=grpo_process")
+    b = batch([2.0, 0.0], [2, 2], group_size=2)
+    b.step_rewards = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    b.step_end = torch.ones(2, 2)
+    adv, _ = estimate(cfg, masked_first_row(b))
+    assert adv[0].tolist() == [0.0, 0.0]
+    assert adv[1].tolist() == pytest.approx([-2.0, -1.0], abs=1e-4)

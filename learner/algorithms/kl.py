@@ -57,27 +57,35 @@ def get_kl_estimator(name: str) -> KLEstimator:
     return KL_ESTIMATORS[name]
 
 
-def kl_reward_shaping(task_reward: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
-    """Per-token rewards ``r_t = -beta * KL_t``, plus the task reward on the last real token.
+def kl_reward_shaping(
+    task_reward: Tensor, kl: Tensor, mask: Tensor, beta: float, completion_mask: Tensor | None = None
+) -> Tensor:
+    """Per-token rewards ``r_t = -beta * KL_t`` on trained tokens, plus the task reward on the last
+    token of the completion.
+
+    The task reward belongs to the sequence, not to the tokens that are trained: a completion whose
+    tokens are all masked out (``algorithm.mask_truncated``) still carries its reward, so it still
+    counts in its group's baseline. Hence two masks.
 
     Args:
         task_reward: ``[B]`` sequence-level reward.
         kl: ``[B, T]`` per-token KL estimate (e.g. from ``kl_k1``).
-        mask: ``[B, T]`` completion mask; the task reward lands on the LAST position where
-            it is 1. A sequence with no real token gets no reward.
+        mask: ``[B, T]`` trained tokens: where ``-beta KL_t`` applies.
         beta: KL coefficient.
+        completion_mask: ``[B, T]`` the completion's real tokens (default ``mask``); the task reward
+            lands on the LAST position where it is 1. A sequence with no token gets no reward.
 
     Returns:
-        ``[B, T]`` per-token rewards, zero on padding.
+        ``[B, T]`` per-token rewards, zero outside the completion.
     """
-    real = mask > 0
-    mask = real.to(kl.dtype)
-    rewards = torch.where(real, -beta * kl, torch.zeros_like(kl))  # r_t = -beta KL_t
+    trained = mask > 0
+    real = trained if completion_mask is None else completion_mask > 0
+    rewards = torch.where(trained, -beta * kl, torch.zeros_like(kl))  # r_t = -beta KL_t
     positions = torch.arange(kl.shape[-1], device=kl.device).expand_as(kl)  # [B, T]
     last = torch.where(real, positions, torch.full_like(positions, -1)).max(-1).values  # [B]; -1 if empty
     has_tokens = last >= 0  # [B]
     bonus = torch.where(has_tokens, task_reward.to(kl.dtype), torch.zeros_like(task_reward, dtype=kl.dtype))
-    # r_{T_i} += R_i at the last real token T_i
+    # r_{T_i} += R_i at the last completion token T_i
     return rewards.scatter_add(-1, last.clamp(min=0).unsqueeze(-1), bonus.unsqueeze(-1))
 
 
