@@ -213,6 +213,11 @@ class TandemConfig(Section):
         return self
 
     @property
+    def warnings(self) -> list[str]:
+        """Valid settings that are probably not what the user meant: printed before the run, one line each."""
+        return self.algorithm.warnings
+
+    @property
     def has_critic(self) -> bool:
         """The method trains a value model (PPO)."""
         return self.algorithm.method.needs_critic

@@ -125,6 +125,8 @@ def run_training(
         config_path = config_path or root / "config.yaml"
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
+    for line in cfg.warnings:
+        print(f"tandem: warning: {line}", file=sys.stderr, flush=True)
     check_rewards(cfg.reward)
     rows, eval_rows = load_run_rows(cfg, lambda line: print(f"tandem: {line}", file=sys.stderr, flush=True))
     model_path = prepare_model(cfg.model)

@@ -180,6 +180,38 @@ class AlgorithmConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sequence_shaping_fits_the_method(self) -> AlgorithmConfig:
+        # Per-step methods take their advantages from the step rewards alone; a shaped sequence reward would
+        # be computed and then never reach a gradient, so the setting would silently do nothing.
+        if self.method.per_step_rewards:
+            shaping = {
+                "algorithm.truncation_penalty": self.truncation_penalty is not None,
+                "algorithm.soft_overlong": self.soft_overlong is not None,
+                "algorithm.normalise_rewards": self.normalise_rewards,
+                "algorithm.whiten_rewards": self.whiten_rewards != "none",
+            }
+            used = [key for key, on in shaping.items() if on]
+            if used:
+                raise ValueError(
+                    f"{used[0]} shapes the sequence reward, which {self.name} does not train on (its advantages "
+                    "come from the step rewards, normalised over each group's steps); remove it, or shape the "
+                    "step rewards in the reward function"
+                )
+        return self
+
+    @property
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not what the user wants, one line each."""
+        out = []
+        if self.kl.in_loss and self.kl.estimator == "k1":
+            out.append(
+                "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term is zero in expectation "
+                "(E[grad log pi] = 0), so it does not pull the policy towards the reference; use estimator=k2 "
+                "(its gradient is that of KL) or k3"
+            )
+        return out
+
     @property
     def method(self):
         """The ``learner.methods.Method`` this section names."""

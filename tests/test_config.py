@@ -52,6 +52,33 @@ def test_cross_field_rules_name_the_fields():
         load_config(None, REQUIRED + ["algorithm.name=grpo_process", "algorithm.kl.placement=reward"])
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "algorithm.truncation_penalty=-1",
+        "algorithm.soft_overlong={cache_len: 4}",
+        "algorithm.normalise_rewards=true",
+        "algorithm.whiten_rewards=whiten",
+    ],
+)
+def test_process_supervision_refuses_sequence_reward_shaping_it_would_ignore(setting):
+    # grpo_process's advantages come from the step rewards alone: these settings changed nothing on main
+    key = setting.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key} shapes the sequence reward, which grpo_process does not train on"):
+        load_config(None, REQUIRED + ["algorithm.name=grpo_process", setting])
+    load_config(None, REQUIRED + [setting])  # the outcome methods use it
+
+
+def test_k1_kl_in_the_loss_warns_that_its_gradient_is_zero_in_expectation():
+    cfg = load_config(None, REQUIRED + ["algorithm.kl.placement=loss", "algorithm.kl.estimator=k1"])
+    assert len(cfg.warnings) == 1 and "estimator=k2" in cfg.warnings[0] and "zero in expectation" in cfg.warnings[0]
+    for ok in (["algorithm.kl.placement=loss", "algorithm.kl.estimator=k3"], ["algorithm.kl.placement=reward"]):
+        assert (
+            load_config(None, REQUIRED + ok + ["algorithm.kl.estimator=k1"] * (ok[-1].endswith("reward"))).warnings
+            == []
+        )
+
+
 def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
