@@ -23,10 +23,21 @@ class DataConfig(Section):
     )
     split: str = Field("train", description="Split of a dataset directory or Hugging Face dataset.")
     subset: str | None = Field(None, description="Configuration (subset) of a Hugging Face dataset, e.g. 'main'.")
-    prompt_field: str = Field("prompt", description="Column holding the prompt text (e.g. 'question' for GSM8K).")
-    answer_field: str = Field("answer", description="Column holding the reference answer the reward checks.")
+    prompt_field: str = Field(
+        "prompt",
+        description="Column holding the prompt text (e.g. 'question' for GSM8K), or a chat message list "
+        "(verl / DAPO parquet), read like messages_field. A dotted path reaches into a nested column.",
+    )
+    answer_field: str = Field(
+        "answer",
+        description="Column holding the reference answer the reward checks, as row['answer']; a dotted path reaches "
+        "into a nested column (e.g. 'reward_model.ground_truth' for verl / DAPO parquet). When set to another "
+        "column, rows without a value are dropped at load.",
+    )
     messages_field: str = Field(
-        "messages", description="Column holding a chat conversation ([{role, content}, ...]), used instead of a prompt."
+        "messages",
+        description="Column holding a chat conversation ([{role, content}, ...]), used instead of a prompt; a dotted "
+        "path reaches into a nested column.",
     )
     system_prompt: str | None = Field(None, description="System message put before every prompt.")
     chat_template: str = Field(

@@ -4,10 +4,13 @@ directory or a Hugging Face dataset name, mapped to Tandem's row form.
 A Tandem row is ``{"prompt": str, "answer": ..., "messages": [...]?, <other columns>}``: the
 prompt text (for a chat row, its last user message), the reference answer the reward function
 checks, and for chat rows the conversation the chat template renders. Columns are mapped with
-``prompt_field`` / ``answer_field`` / ``messages_field``; every other column rides along to the
+``prompt_field`` / ``answer_field`` / ``messages_field``, each a column name or a dotted path into
+a nested column (``reward_model.ground_truth``, verl's layout); a prompt column that holds a chat
+message list (verl, DAPO) is read as the conversation. Every other column rides along to the
 reward function unchanged.
 
-Rows that cannot be used (no prompt, an empty one, a malformed ``messages`` list) are dropped at
+Rows that cannot be used (no prompt, an empty one, a malformed message list, no value for a mapped
+answer field) are dropped at
 load time, counted per reason and named by their 0-based index in one line, never discovered
 mid-run. When most rows are unusable the mapping is wrong, and loading fails with the columns it
 found instead.
@@ -116,9 +119,23 @@ def _pick_split(loaded, split: str, what: str, where):
     raise DatasetError(f"{what} {where} has no split {split!r}; its splits are: {', '.join(loaded)}; set the split")
 
 
-def _messages_problem(messages: Any) -> str | None:
+def field_value(raw: Any, path: str) -> Any:
+    """The value a field names in a record: a column (``question``), or a dotted path into nested
+    columns (``reward_model.ground_truth``); None when a step of the path is missing. A column whose
+    own name has a dot is found first."""
+    if isinstance(raw, dict) and path in raw:
+        return raw[path]
+    value = raw
+    for key in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)  # arrow fills a key missing from one row's struct with None: the same
+    return value
+
+
+def _messages_problem(messages: Any, name: str) -> str | None:
     if not isinstance(messages, list) or not messages:
-        return "with a 'messages' value that is not a non-empty list"
+        return f"with a '{name}' value that is not a non-empty list"
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return "with a message that is not {role: str, content: str}"
@@ -127,29 +144,76 @@ def _messages_problem(messages: Any) -> str | None:
     return None
 
 
+def _conversation(row: dict[str, Any], messages: Any, name: str) -> str | None:
+    """Set the row's ``messages`` and ``prompt`` from a chat message list; the reason it is unusable otherwise."""
+    problem = _messages_problem(messages, name)
+    if problem:
+        return f"rows {problem}"
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if messages[-1]["role"] == "assistant":  # a conversation ending with the answer: prompt with the rest
+        messages = messages[:-1]
+    row["messages"] = messages
+    row["prompt"] = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    return None
+
+
 def to_row(raw: dict[str, Any], fields: Fields) -> tuple[dict[str, Any] | None, str | None]:
-    """Tandem's row from a dataset record, or ``(None, reason)`` when it cannot be used."""
+    """Tandem's row from a dataset record, or ``(None, reason)`` when it cannot be used. A mapped answer
+    field (not the default ``answer``) must hold a value: a row the reward cannot check is dropped."""
     row = dict(raw)
-    messages = raw.get(fields.messages)
+    messages = field_value(raw, fields.messages)
+    prompt = field_value(raw, fields.prompt)
     if messages is not None:
-        problem = _messages_problem(messages)
-        if problem:
-            return None, f"rows {problem}"
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if messages[-1]["role"] == "assistant":  # a conversation ending with the answer: prompt with the rest
-            messages = messages[:-1]
-        row["messages"] = messages
-        row["prompt"] = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        problem = _conversation(row, messages, fields.messages)
+    elif isinstance(prompt, list):  # verl / DAPO: the prompt column is the chat message list
+        problem = _conversation(row, prompt, fields.prompt)
+    elif prompt is None:
+        problem = f"rows without a '{fields.prompt}' field"
+    elif not isinstance(prompt, str) or not prompt.strip():
+        problem = f"rows whose '{fields.prompt}' is not a non-empty string"
     else:
-        prompt = raw.get(fields.prompt)
-        if prompt is None:
-            return None, f"rows without a '{fields.prompt}' field"
-        if not isinstance(prompt, str) or not prompt.strip():
-            return None, f"rows whose '{fields.prompt}' is not a non-empty string"
+        problem = None
         row["prompt"] = prompt
-    if fields.answer != "answer" and fields.answer in raw:
-        row["answer"] = raw[fields.answer]
+    if problem:
+        return None, problem
+    if fields.answer != "answer":
+        answer = field_value(raw, fields.answer)
+        if answer is None:
+            return None, f"rows without a '{fields.answer}' value"
+        row["answer"] = answer
     return row, None
+
+
+def _column(path: str, columns: list[str]) -> str:
+    """The top-level column a field's path starts in."""
+    return path if path in columns else path.split(".", 1)[0]
+
+
+def _check_nested(table, path: str, option: str, what: str, source: str) -> None:
+    """Fail in one line when a dotted ``path`` is missing in most rows, naming the keys found where it stops."""
+    column = _column(path, list(table.column_names))
+    if column == path:
+        return
+    rest = path[len(column) + 1 :]
+    missing, keys, reached = 0, set(), column
+    for value in table[column]:
+        if field_value(value, rest) is not None:
+            continue
+        missing += 1
+        node, where = value, column
+        for key in rest.split("."):  # walk as far as the path goes, to name what is there instead
+            if not isinstance(node, dict) or node.get(key) is None:
+                break
+            node, where = node[key], f"{where}.{key}"
+        if isinstance(node, dict):
+            keys.update(k for k, v in node.items() if v is not None)
+            reached = where
+    if missing * 2 > len(table):
+        found = f"'{reached}' holds the keys: {', '.join(sorted(keys))}" if keys else f"'{column}' is not nested there"
+        raise DatasetError(
+            f"{what} {source}: '{path}' ({option}) is missing in {missing} of {len(table)} rows; {found}; "
+            f"set {option} to the dotted path of the value"
+        )
 
 
 def read_rows(
@@ -163,17 +227,24 @@ def read_rows(
     """Every usable row of ``source``; the dropped ones are counted (and ``say``-ed in one line)."""
     table = load_table(source, split, subset, what)
     columns = list(table.column_names)
-    has_prompt = fields.prompt in columns or fields.messages in columns
-    if not has_prompt:
+    section = what.partition(".")[0]  # data or eval: whose *_field options name the columns
+    chat = _column(fields.messages, columns) in columns
+    if not chat and _column(fields.prompt, columns) not in columns:
         raise DatasetError(
             f"{what} {source} has no '{fields.prompt}' or '{fields.messages}' column; its columns are: "
-            f"{', '.join(columns)}; set data.prompt_field (e.g. data.prompt_field=question)"
+            f"{', '.join(columns)}; set {section}.prompt_field (e.g. {section}.prompt_field=question)"
         )
-    if fields.answer != "answer" and fields.answer not in columns:
+    if fields.answer != "answer" and _column(fields.answer, columns) not in columns:
         raise DatasetError(
-            f"{what} {source} has no '{fields.answer}' column (data.answer_field); its columns are: "
+            f"{what} {source} has no '{fields.answer}' column ({section}.answer_field); its columns are: "
             f"{', '.join(columns)}"
         )
+    if chat:
+        _check_nested(table, fields.messages, "data.messages_field", what, source)
+    else:
+        _check_nested(table, fields.prompt, f"{section}.prompt_field", what, source)
+    if fields.answer != "answer":
+        _check_nested(table, fields.answer, f"{section}.answer_field", what, source)
     loaded = LoadedRows(rows=[], total=len(table))
     for index, raw in enumerate(table):
         row, reason = to_row(raw, fields)
@@ -185,7 +256,7 @@ def read_rows(
         raise DatasetError(
             f"{what} {source}: only {len(loaded.rows)} of {loaded.total} rows are usable "
             f"({loaded.reasons()}); its columns are: "
-            f"{', '.join(columns)}; check data.prompt_field / data.messages_field"
+            f"{', '.join(columns)}; check {section}.prompt_field / {section}.answer_field / data.messages_field"
         )
     line = loaded.report(what)
     if line and say is not None:
