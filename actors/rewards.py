@@ -185,7 +185,9 @@ def step_end_tokens(token_ids: list[int], decode: Callable[[list[int]], str], de
     """Index of the token that completes each step of the decoded completion.
 
     Steps end after each ``delimiter`` (or after every character when it is ''), and at
-    the end of the text if the last step has no delimiter. Costs O(T) decodes of prefixes.
+    the end of the text if the last step has no delimiter. Tokens after the last step's text that
+    decode to nothing (EOS, other special tokens) belong to the last step: the decision to stop is
+    credited like the step it ends, as with a single score. Costs O(T) decodes of prefixes.
     """
     text = decode(token_ids)
     if delimiter == "":
@@ -203,4 +205,6 @@ def step_end_tokens(token_ids: list[int], decode: Callable[[list[int]], str], de
         while i < len(prefix_lengths) - 1 and prefix_lengths[i] < end:
             i += 1
         out.append(i)
+    if out:
+        out[-1] = len(token_ids) - 1  # the last step owns the trailing EOS
     return out

@@ -115,3 +115,22 @@ def test_process_rewards_are_lists_placed_on_step_end_tokens():
     assert step_end_tokens([0, 1, 2, 3, 4], decode, "\n") == [1, 3, 4]
     assert step_end_tokens([0, 1, 2, 3], decode, "\n") == [1, 3]  # text ends with the delimiter
     assert step_end_tokens([0, 2], decode, "") == [0, 0, 1]  # every character: a, b (token 0), c (token 1)
+
+
+def test_the_last_step_owns_the_eos_token():
+    # ids [a, b, \n, c, EOS]: the text (special tokens skipped) is "ab\nc"; the steps end at tokens 2 and 4,
+    # so with step rewards [1, 1] the tokens get A = [2, 2, 2, 1, 1] (on main the EOS ended no step: ends
+    # [2, 3], A = [2, 2, 2, 1, 0], while a single score already ended on the EOS).
+    import torch
+
+    from actors.rewards import step_end_tokens
+    from learner.algorithms import accumulate_step_rewards
+
+    pieces = ["a", "b", "\n", "c", ""]  # the EOS decodes to nothing
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    ends = step_end_tokens([0, 1, 2, 3, 4], decode, "\n")
+    assert ends == [2, 4]
+    rewards, is_end = torch.zeros(1, 5), torch.zeros(1, 5)
+    rewards[0, ends], is_end[0, ends] = 1.0, 1.0
+    assert accumulate_step_rewards(rewards, is_end, torch.ones(1, 5)).tolist() == [[2.0, 2.0, 2.0, 1.0, 1.0]]
+    assert step_end_tokens([0, 1, 2, 4], decode, "\n") == [3]  # "ab\n" then EOS: one step, ending on the EOS
