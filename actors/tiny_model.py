@@ -6,6 +6,12 @@ a real model) with random weights from a fixed seed, and a tokenizer that maps e
 character to one token. The result is an ordinary Hugging Face directory
 (``config.json``, ``model.safetensors``, ``tokenizer.json``) that any code taking a
 model id or path loads unchanged.
+
+The demo's tokenizer knows only the 64 characters its tasks use (a capital or a quote is lost).
+``chat=True`` builds the same model with a tokenizer shaped like a real chat model's instead
+(``tandem tiny-model --chat``): one token per byte, so any text round-trips, Qwen's special tokens
+and a ChatML chat template, and ``<|im_end|>`` as EOS, so a completion ends where the template's
+assistant turn ends. Use it to try a real data set's prompts end to end on the CPU.
 """
 
 from __future__ import annotations
@@ -18,12 +24,24 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every character a built-in task or a test prompt can use; one token each.
 # The last seven (after "#") fill the 64-entry table: chat markup and ``\boxed{}`` answers.
 CHARACTERS = string.digits + string.ascii_lowercase + " +-*=:>?,.!()[]#<{}/\\|\n"
-MARKER = "tiny-model.json"
+MARKER = "tiny-model.json"  # written last; its presence means the directory is complete
 # A chat template in the tiny vocabulary (the math example): "<s>system\n<u>question\n<a>" + answer.
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<a>{% endif %}"
-)  # written last; its presence means the directory is complete
+)
+# The chat tokenizer's special tokens, named as in Qwen2.5's: the end of text (also the padding) and
+# the two markers of a ChatML turn. <|im_end|> ends a turn, so it is the chat model's EOS.
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# ChatML as Qwen2.5's template writes it, without its default system message (the tiny model's
+# context is short): every turn is "<|im_start|>role\ncontent<|im_end|>\n"; a generation prompt opens
+# the assistant's turn.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def _byte_level(char: str) -> str:
@@ -60,6 +78,33 @@ def build_tokenizer():
     )
 
 
+def byte_vocab() -> dict[str, int]:
+    """Token -> id of the chat tokenizer: the 256 byte-level symbols (ids 0-255, by byte value), then
+    the special tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = [bytes_to_unicode()[b] for b in range(256)]
+    return {tok: i for i, tok in enumerate([*symbols, END_OF_TEXT, IM_START, IM_END])}
+
+
+def build_chat_tokenizer():
+    """A byte-level ``PreTrainedTokenizerFast`` that round-trips any text (every UTF-8 byte is a token;
+    BPE with no merges), with ChatML's special tokens, ``<|im_end|>`` as EOS and ``<|endoftext|>`` as
+    padding (as Qwen2.5-Instruct has them) and ``CHATML_TEMPLATE`` as its chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(vocab=byte_vocab(), merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (END_OF_TEXT, IM_START, IM_END)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=IM_END, pad_token=END_OF_TEXT, clean_up_tokenization_spaces=False
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -72,12 +117,15 @@ def build_tiny_model(
     seed: int = 0,
     overwrite: bool = False,
     chat_template: str | None = None,
+    chat: bool = False,
 ) -> Path:
     """Write a randomly initialised Qwen2 model and its tokenizer to ``out_dir``.
 
     ``hidden_size / num_heads`` is the attention head dimension; vLLM's CPU attention
     accepts 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 or 512. Returns the directory.
     Re-running with the same arguments and no ``overwrite`` reuses a complete directory.
+    ``chat``: the byte-level chat tokenizer (``build_chat_tokenizer``; ``chat_template`` replaces its
+    ChatML template when given) instead of the demo's character-level one.
     """
     out = Path(out_dir)
     spec = dict(
@@ -91,6 +139,8 @@ def build_tiny_model(
         characters=CHARACTERS,  # a directory built with an older tokenizer is rebuilt
         chat_template=chat_template,
     )
+    if chat:  # only then: a demo model built before ``chat`` existed is still reused
+        spec["chat"] = True
     marker = out / MARKER
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == spec:
         return out  # before the imports below: they cost seconds of every run's start-up
@@ -103,9 +153,14 @@ def build_tiny_model(
             f"tiny model: hidden_size/num_heads = {hidden_size}/{num_heads} gives head_dim {head_dim}, "
             "which vLLM's CPU attention does not support; choose e.g. hidden_size=128, num_heads=4"
         )
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = chat_template
-    vocab = tiny_vocab()
+    if chat:
+        tokenizer, vocab = build_chat_tokenizer(), byte_vocab()
+        tokenizer.chat_template = chat_template or CHATML_TEMPLATE
+        bos, eos, pad = vocab[END_OF_TEXT], vocab[IM_END], vocab[END_OF_TEXT]  # bos as in Qwen2.5's config
+    else:
+        tokenizer, vocab = build_tokenizer(), tiny_vocab()
+        tokenizer.chat_template = chat_template
+        bos, eos, pad = vocab[BOS], vocab[EOS], vocab[PAD]
     config = Qwen2Config(
         vocab_size=64 * ((len(vocab) + 63) // 64),  # pad the table to a multiple of 64
         hidden_size=hidden_size,
@@ -116,9 +171,9 @@ def build_tiny_model(
         head_dim=head_dim,
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
-        bos_token_id=vocab[BOS],
-        eos_token_id=vocab[EOS],
-        pad_token_id=vocab[PAD],
+        bos_token_id=bos,
+        eos_token_id=eos,  # save_pretrained copies these into generation_config.json, which vLLM reads
+        pad_token_id=pad,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
