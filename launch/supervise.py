@@ -11,16 +11,102 @@ When an actor's ``run`` loop ends during a run (its process was killed, its engi
      that cannot take a new member (the distributed one is one process group), it raises
      ``ActorFailed`` and the run checkpoints and stops.
 A result of the dead actor that still arrives is trained once: the ledger ignores duplicates.
+
+Every death is written at the end of the dead actor's log (Ray hands the exception to the driver,
+not to that log) and quoted in one line (``describe_death``). An actor that dies with the same
+error (type and message, numbers aside) as an earlier death in the pool is not replaced: a new one
+would fail the same way, so ``ActorKeepsFailing`` stops the run at once, naming the error.
+A process killed from outside with no error in its log (kill -9, a lost node) is restarted as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import re
+import traceback
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+from cluster.logs import append_log, exception_lines, last_error_line
 from launch.ledger import PromptLedger
 from launch.stepping import ActorFailed, ActorWatch, loop_cause
+
+LINE_CHARS = 300  # a death's one line is cut to this
+
+
+class ActorKeepsFailing(ActorFailed):
+    """An actor died with the same error as an earlier one: replacing it again would not help."""
+
+
+@dataclass
+class Death:
+    line: str  # the error in one line: "Type: message" (and its root cause), or what Ray said
+    known: bool  # a raised exception was seen (not a process killed from outside, silently)
+    text: str  # what goes into the actor's log: the traceback, or Ray's message
+
+    @property
+    def signature(self) -> str:
+        """The line with numbers (pids, addresses, sizes) blanked: the same error in another process."""
+        return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", self.line)
+
+
+def describe_death(loop: asyncio.Future, log_path: str) -> Death:
+    """Why an actor's ``run`` loop ended, from what the driver holds: a ``RayTaskError`` (the
+    loop raised: its text is the remote traceback), a dead process (``RayActorError``: the last
+    error line in its log, if it wrote one), or any other exception."""
+    exc = loop.exception()
+    if exc is None:
+        return Death(loop_cause(loop), False, loop_cause(loop))
+    if isinstance(getattr(exc, "cause", None), BaseException):  # raised inside the actor
+        return Death(_one_line(exception_lines(str(exc)), exc), True, str(exc))
+    if _process_died(exc):
+        said = str(exc).strip()
+        last = last_error_line(log_path)
+        if last:
+            return Death(_cut(f"{last} (the last error in its log)"), True, said)
+        return Death(_cut((said.splitlines() or [type(exc).__name__])[0]), False, said)
+    text = "".join(traceback.format_exception(exc))
+    return Death(_one_line(exception_lines(text), exc), True, text)
+
+
+def _one_line(lines: list[str], exc: BaseException) -> str:
+    """The outermost exception's line, with the root cause's when it differs (a wrapper such as
+    vLLM's ``EngineDeadError`` names only itself)."""
+    if not lines:
+        said = str(exc).strip().splitlines()
+        return _cut(f"{type(exc).__name__}: {said[-1]}" if said else type(exc).__name__)
+    outer, root = lines[-1], lines[0]
+    return _cut(outer if outer == root else f"{outer} (caused by {root})")
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= LINE_CHARS else line[: LINE_CHARS - 3] + "..."
+
+
+def _process_died(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, RayActorError)
+
+
+def record_death(name: str, death: Death, log_path: str) -> None:
+    """Append the death to the actor's log, when the run's logs/ folder is there (every real run)."""
+    if os.path.isdir(os.path.dirname(log_path)):
+        append_log(log_path, f"--- {name} stopped; the driver saw this error ---\n{death.text}")
+
+
+def fix_for(line: str) -> str:
+    """What to try for an error that repeats, by what it says."""
+    if "out of memory" in line.lower() or "OutOfMemory" in line:
+        return (
+            "give the engine more memory or less to hold (engine.gpu_memory_utilization, engine.kv_cache_gib, "
+            "engine.max_model_len)"
+        )
+    return "fix what it names (the traceback is at the end of the log), then resume"
 
 
 class ActorPool(ActorWatch):
@@ -46,6 +132,7 @@ class ActorPool(ActorWatch):
         self.ledger, self.queues, self.on_requeue = ledger, queues, on_requeue
         self.max_restarts, self.cannot_restart = max_restarts, cannot_restart
         self.restarts = collections.Counter(restarts or {})
+        self.deaths: dict[str, str] = {}  # a death's signature -> the actor that died so first
         super().__init__({start_loop(a, i): n for i, (a, n) in enumerate(zip(actors, names, strict=True))}, run)
 
     @property
@@ -54,9 +141,19 @@ class ActorPool(ActorWatch):
 
     async def ended(self, loop: asyncio.Future) -> None:
         name = self.loops.pop(loop)
-        cause, log = loop_cause(loop), self.run.log_path(name)
         if loop.cancelled():  # the run is stopping
             return
+        log = self.run.log_path(name)
+        death = describe_death(loop, log)
+        record_death(name, death, log)
+        cause = death.line
+        if death.known and death.signature in self.deaths:
+            raise ActorKeepsFailing(
+                f"{name} stopped: {cause}; {self.deaths[death.signature]} died of the same error before, so a new "
+                f"actor would too: {fix_for(cause)}; full log: {log}"
+            )
+        if death.known:
+            self.deaths[death.signature] = name
         if self.cannot_restart:
             raise ActorFailed(f"{name} stopped: {cause}; {self.cannot_restart}; full log: {log}")
         if self.restarts[name] >= self.max_restarts:
