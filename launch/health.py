@@ -12,6 +12,11 @@ reported:
   - a policy that became uniform: its mean entropy at ln V (the vocabulary's), with finite losses
     and no gradient left (a learning rate far too high does this), for ``run.max_nonfinite_steps``
     steps in a row, when it was not uniform at the start, stops the run the same way.
+
+``SignalWatch`` only warns: ``NO_SIGNAL_STEPS`` steps in a row whose every group scored alike (no
+gradient for group-relative advantages) are said once with the likely cause (a reward that never
+fires, a task too easy), as is the first evaluation round whose reward calls failed; summary.json
+records the count, the warnings, and ``learned: false`` when not one step had a signal.
 """
 
 from __future__ import annotations
@@ -102,3 +107,95 @@ class RunHealth:
         if self.lr > 0.01:
             return f"learner.lr = {self.lr:g} is far too high; try 1e-6 to 1e-4 for a pretrained model"
         return "the weights diverged; lower learner.lr or set learner.grad_clip (and check the rewards)"
+
+
+NO_SIGNAL_STEPS = 5  # steps in a row without a learning signal before the console says so
+
+
+def no_signal(metrics: dict[str, Any]) -> bool:
+    """A step whose every group scored alike (``zero_variance_frac`` 1): group-relative
+    advantages are all zero, so the step has no gradient from the rewards."""
+    return metrics.get("zero_variance_frac", 0.0) >= 1.0
+
+
+def no_signal_cause(rewards: list[tuple[float, float]]) -> str:
+    """The likely cause, from ``(reward_mean, reward_std)`` of the steps without signal: the same
+    score everywhere (0: the reward never fires; 1 or more: the task is too easy; else the reward
+    ignores the completion), or a different score per prompt but one per group."""
+    means = [mean for mean, _ in rewards]
+    mean = sum(means) / len(means)
+    if any(std > 0 for _, std in rewards) or max(means) != min(means):
+        return (
+            f"mean reward {mean:.2f}, but each prompt's samples scored alike: they do not differ enough; "
+            "raise rollout.temperature or rollout.group_size"
+        )
+    if mean <= 0:
+        return (
+            f"all rewards {mean:.2f}: the reward never fires; check the answers and the reward with `tandem check-data`"
+        )
+    if mean >= 1:
+        return f"all rewards {mean:.2f}: the task is too easy for the model; use harder prompts"
+    return f"all rewards {mean:.2f}: the reward does not depend on the completion; check reward.function"
+
+
+class SignalWatch:
+    """Says when a run learns nothing. ``step`` takes each step's metrics (``step_metrics``) and
+    returns a warning when ``steps_in_a_row`` steps in a row had no signal (``no_signal``), once
+    per such stretch; ``eval`` returns one for the first evaluation round whose reward calls
+    failed. ``summary`` is what summary.json records."""
+
+    def __init__(self, steps_in_a_row: int = NO_SIGNAL_STEPS):
+        self.k = steps_in_a_row
+        self.steps = 0
+        self.no_signal_steps = 0
+        self.streak: list[tuple[float, float]] = []  # (reward_mean, reward_std) of the current stretch
+        self.silent: list[tuple[float, float]] = []  # the same, of every step without signal
+        self.warnings: list[str] = []
+        self.eval_errors = 0
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        self.steps += 1
+        if not no_signal(metrics):
+            self.streak = []
+            return None
+        rewards = (float(metrics.get("reward_mean", 0.0)), float(metrics.get("reward_std", 0.0)))
+        self.no_signal_steps += 1
+        self.streak.append(rewards)
+        self.silent.append(rewards)
+        if len(self.streak) != self.k:
+            return None
+        return self._warn(
+            f"steps {step + 2 - self.k}-{step + 1}: every group scored alike for {self.k} steps in a row, "
+            f"so there is no learning signal ({no_signal_cause(self.streak)})"
+        )
+
+    def eval(self, step: int | None, metrics: dict[str, Any]) -> str | None:
+        errors = int(metrics.get("eval/reward_errors", 0) or 0)
+        self.eval_errors += errors
+        if not errors or self.eval_errors > errors:  # said for the first round with errors only
+            return None
+        calls = int(metrics.get("eval/prompts", 0)) * int(metrics.get("eval/samples", 0))
+        return self._warn(
+            f"eval{'' if step is None else f' after step {step}'}: {errors} of {calls} reward calls failed "
+            "(scored 0), so pass@k reads low; fix reward.function (its errors are in the actor logs)"
+        )
+
+    def _warn(self, text: str) -> str:
+        self.warnings.append(text)
+        return text
+
+    def summary(self) -> dict[str, Any]:
+        """``no_signal_steps``, ``eval_reward_errors``, ``warnings``; and ``learned: false`` with
+        ``learned_reason`` when not one step had a signal."""
+        out: dict[str, Any] = {
+            "no_signal_steps": self.no_signal_steps,
+            "eval_reward_errors": self.eval_errors,
+            "warnings": list(self.warnings),
+        }
+        if self.steps and self.no_signal_steps == self.steps:
+            out["learned"] = False
+            out["learned_reason"] = (
+                f"no step had a learning signal (every group of all {self.steps} steps scored alike): "
+                f"{no_signal_cause(self.silent)}"
+            )
+        return out

@@ -5,7 +5,9 @@ and every message. ``LiveView`` (``run.live``, a terminal only) keeps a rich dis
 of the screen (a progress bar with elapsed time and ETA, and the latest reward, evaluation pass@1,
 staleness, tokens/s, reward errors, actor restarts and learner idle share) and prints the
 messages above it. The view never raises into the training loop: a display error stops it and
-the plain lines take over.
+the plain lines take over. ``DriverView`` wraps either: every line also goes to the run's
+``logs/driver.log``, and each step's and evaluation's metrics are shown to watchers
+(``launch/health.py``'s ``SignalWatch``) whose warnings are printed like any message.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import atexit
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from cluster.logs import append_log
 
 REFRESH_PER_SECOND = 1.0  # elapsed time and ETA tick between steps
 
@@ -167,6 +173,53 @@ class LiveView:
             return Group(grid, *(Text(line) for line in stats_lines(s.metrics, self.eval_pass1)))
         except Exception as exc:  # drawn from another thread: say it there, never raise
             return Text(f"(live view: {type(exc).__name__}: {exc})")
+
+
+class Watcher(Protocol):
+    """Looks at each step's and evaluation round's metrics; returns a warning to print, or None."""
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None: ...
+
+    def eval(self, step: int | None, metrics: dict[str, Any]) -> str | None: ...
+
+
+class DriverView:
+    """``view`` (plain lines or the live view), with every line it shows also appended to
+    ``log`` (the run's driver.log: what the console said, kept after the terminal is gone) and
+    every step and evaluation round shown to ``watchers``, whose warnings are said."""
+
+    def __init__(self, view, log: Path, watchers: list[Watcher] | None = None):
+        self.view, self.log, self.watchers = view, log, list(watchers or [])
+
+    def say(self, text: str) -> None:
+        self.view.say(text)
+        self.write(text)
+
+    def step(self, status: StepStatus, line: str) -> None:
+        self.view.step(status, line)
+        self.write(line)
+        self._warn(lambda watcher: watcher.step(status.done - 1, status.metrics))
+
+    def eval(self, metrics: dict[str, Any], line: str) -> None:
+        self.view.eval(metrics, line)
+        self.write(line)
+        self._warn(lambda watcher: watcher.eval(None, metrics))
+
+    def close(self) -> None:
+        self.view.close()
+
+    def write(self, text: str) -> None:
+        """Append to driver.log; a log that cannot be written must not stop the training."""
+        try:
+            append_log(self.log, text)
+        except OSError:
+            pass
+
+    def _warn(self, look: Callable[[Watcher], str | None]) -> None:
+        for watcher in self.watchers:
+            warning = look(watcher)
+            if warning:
+                self.say(f"warning: {warning}")
 
 
 def build_view(stream: TextIO, live: bool, total_steps: int) -> PlainLines | LiveView:

@@ -3,7 +3,10 @@ open (or reopen) the run directory, train, resume automatically after a process 
 (``run.max_restarts``), and write the summary whatever happened.
 
 Errors a user can fix are re-raised as they are (the command prints their one line); anything else
-becomes an ``UnexpectedError`` whose traceback is in the run's driver log.
+becomes an ``UnexpectedError`` whose traceback is in the run's driver log. Every run writes
+``logs/driver.log``: each line the console showed (timed), the error that ended the run, and the
+traceback of an unexpected one. summary.json also says whether the run had a learning signal
+(``SignalWatch``, ``launch/health.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import time
 import traceback
 from pathlib import Path
 
+from cluster.logs import append_log
 from launch.config import ConfigError, load_config
+from launch.health import SignalWatch
+from launch.live import DriverView
 
 
 # Errors that are the user's to fix: printed as one line, no traceback.
@@ -69,6 +75,31 @@ def reward_summary(metrics_path: Path) -> dict[str, float]:
     return {"steps": len(rewards), "reward_first_10pct": first, "reward_last_10pct": last, "reward_gain": last - first}
 
 
+def signal_summary(root: Path) -> dict:
+    """``SignalWatch.summary`` of the whole run, replayed from metrics.jsonl and eval.jsonl (a
+    resumed run's earlier steps count too)."""
+    watch = SignalWatch()
+    for name, look in (("metrics.jsonl", watch.step), ("eval.jsonl", watch.eval)):
+        path = root / name
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a killed run's torn last line
+                continue
+            look(record.get("step"), record)
+    return watch.summary()
+
+
+def attach_driver_log(run, early: list[str] | None = None) -> Path:
+    """Every line the run shows also goes to ``logs/driver.log`` (with what was said before the
+    run directory existed, ``early``), and each step is watched for a missing learning signal."""
+    log = run.logs / "driver.log"
+    for line in early or []:
+        append_log(log, line)
+    run.view = DriverView(run.view, log, [SignalWatch()])
+    return log
+
+
 class UnexpectedError(RuntimeError):
     """Anything else that ended a run: its last line here, the traceback in the run's driver log."""
 
@@ -115,9 +146,16 @@ def run_training(
     from launch.run_dir import RunLog, format_seconds, startup_phases
     from launch.saving import Resume, check_resumable
     from launch.stopping import StopRequest
+    from launch.supervise import ActorKeepsFailing
     from launch.train import time_limit_s
 
     started = time.monotonic()
+    early: list[str] = []  # said before the run directory exists: driver.log begins with them
+
+    def tell(line: str) -> None:
+        early.append(f"tandem: {line}")
+        print(f"tandem: {line}", file=sys.stderr, flush=True)
+
     if resume_dir is not None:
         root = Path(resume_dir)
         if not (root / "config.yaml").is_file():
@@ -126,9 +164,9 @@ def run_training(
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
     for line in cfg.warnings:
-        print(f"tandem: warning: {line}", file=sys.stderr, flush=True)
+        tell(f"warning: {line}")
     check_rewards(cfg.reward)
-    rows, eval_rows = load_run_rows(cfg, lambda line: print(f"tandem: {line}", file=sys.stderr, flush=True))
+    rows, eval_rows = load_run_rows(cfg, tell)
     model_path = prepare_model(cfg.model)
     rows = preflight(cfg, model_path, rows)
     eval_rows = check_prompt_lengths(cfg, model_path, eval_rows, "the held-out set")
@@ -143,6 +181,7 @@ def run_training(
     else:
         run = RunLog.create(cfg.run.output_dir, cfg.run.name, dumped, cfg.run.steps, private=cfg.run.private)
         store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+    driver_log = attach_driver_log(run, early)
     run.mark("prepare")  # config, data, model and preflight checks, the run directory
     if result is not None:
         result["run_dir"] = str(run.root)
@@ -155,8 +194,8 @@ def run_training(
                 break
             except _restartable() as exc:
                 _shutdown_ray()
-                if restarts >= cfg.run.max_restarts:
-                    raise
+                if restarts >= cfg.run.max_restarts or isinstance(exc, ActorKeepsFailing):
+                    raise  # the same error each time: resuming would meet it again
                 try:
                     checkpoint, state = store.newest(run.say)
                 except CheckpointError:
@@ -169,19 +208,21 @@ def run_training(
                 resume = Resume(checkpoint, state)
                 run.close(None)
                 run = RunLog.reopen(run.root, dumped, cfg.run.steps, first_step=int(state["step"]))
+                attach_driver_log(run)
             finally:
                 _shutdown_ray()
         status = f"stopped ({progress.stopped})" if progress.stopped else "completed"
     except user_errors() as exc:
         error = error_message(exc)
+        append_log(driver_log, f"error: {error}")
         raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {(error_message(exc).strip().splitlines() or [''])[-1]}"
-        log = run.logs / "driver.log"
-        log.write_text(traceback.format_exc())
-        raise UnexpectedError(f"{error}; full traceback: {log}") from None
+        append_log(driver_log, f"error: {error}\n{traceback.format_exc()}")
+        raise UnexpectedError(f"{error}; full traceback: {driver_log}") from None
     finally:
         summary = {**reward_summary(run.root / "metrics.jsonl"), "status": status, "restarts": restarts}
+        summary.update(signal_summary(run.root))
         summary["wall_s"] = round(time.monotonic() - started, 1)
         if run.first_step_at is not None:  # start-up: from the command to this process's first step
             summary["startup_s"] = round(run.first_step_at - started, 1)
@@ -198,6 +239,8 @@ def run_training(
         f"(last 10%)\nrun files: {run.root} (config.yaml, metrics.jsonl, samples.jsonl, model/, checkpoints/, "
         "tb/, logs/, summary.json)"
     )
+    if "learned_reason" in summary:
+        run.say(f"warning: {summary['learned_reason']}")
     if progress.stopped:
         run.say(f"resume with: tandem train --resume {run.root}")
     return stop.exit_code

@@ -1,0 +1,194 @@
+"""A run tells its user what went wrong: steps without a learning signal are warned about and
+recorded in summary.json, evaluation rounds whose reward calls failed are said, and every run
+writes logs/driver.log (its console lines, the error that ended it, an unexpected error's
+traceback). The training itself is faked: no Ray, no vLLM."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import launch.train
+from launch.health import SignalWatch, no_signal_cause
+from launch.live import DriverView, PlainLines, StepStatus
+from launch.run import UnexpectedError, run_training, signal_summary
+from launch.saving import Progress
+from launch.stepping import ActorFailed
+from launch.supervise import ActorKeepsFailing
+
+
+def step(zero_variance_frac: float, reward_mean: float = 0.0, reward_std: float = 0.0) -> dict:
+    return {"zero_variance_frac": zero_variance_frac, "reward_mean": reward_mean, "reward_std": reward_std}
+
+
+# --- the detector ------------------------------------------------------------------------------
+def test_no_signal_warns_after_k_steps_in_a_row_once_and_a_step_with_signal_resets_it():
+    watch = SignalWatch(steps_in_a_row=3)
+    said = [watch.step(i, step(1.0)) for i in range(5)]  # steps 1-5 without signal
+    assert said[:2] == [None, None] and said[3:] == [None, None]  # said once, at the 3rd
+    assert said[2].startswith("steps 1-3: every group scored alike for 3 steps in a row")
+    assert watch.step(5, step(0.5, 0.5, 0.5)) is None  # one group differed: signal, the count restarts
+    assert [watch.step(i, step(1.0)) for i in (6, 7)] == [None, None]  # 2 in a row: not yet
+    assert watch.step(8, step(1.0)).startswith("steps 7-9:")
+    assert watch.no_signal_steps == 8 and len(watch.warnings) == 2
+
+
+@pytest.mark.parametrize(
+    ("steps", "cause"),
+    [
+        (
+            [step(1.0, 0.0)] * 2,
+            "all rewards 0.00: the reward never fires; check the answers and the reward with `tandem check-data`",
+        ),
+        ([step(1.0, 1.0)] * 2, "all rewards 1.00: the task is too easy for the model"),
+        ([step(1.0, 0.3)] * 2, "all rewards 0.30: the reward does not depend on the completion"),
+        # groups differ from each other (std over the step > 0), each group alike: 1/4 of the groups all 1
+        ([step(1.0, 0.25, 0.433)] * 2, "mean reward 0.25, but each prompt's samples scored alike"),
+        ([step(1.0, 0.0), step(1.0, 1.0)], "mean reward 0.50, but each prompt's samples scored alike"),
+    ],
+)
+def test_the_cause_tells_a_reward_that_never_fires_from_a_task_too_easy(steps, cause):
+    assert no_signal_cause([(s["reward_mean"], s["reward_std"]) for s in steps]).startswith(cause)
+    watch = SignalWatch(steps_in_a_row=2)
+    warnings = [watch.step(i, s) for i, s in enumerate(steps)]
+    assert cause in warnings[1]
+
+
+def test_summary_says_learned_false_only_when_no_step_had_a_signal():
+    quiet = SignalWatch(steps_in_a_row=5)
+    for i in range(3):  # fewer steps than K: no warning on the way, but the summary says it
+        quiet.step(i, step(1.0, 0.0))
+    assert quiet.summary() == {
+        "no_signal_steps": 3,
+        "eval_reward_errors": 0,
+        "warnings": [],
+        "learned": False,
+        "learned_reason": "no step had a learning signal (every group of all 3 steps scored alike): all rewards "
+        "0.00: the reward never fires; check the answers and the reward with `tandem check-data`",
+    }
+    some = SignalWatch(steps_in_a_row=5)
+    for s in (step(1.0), step(0.9, 0.1, 0.3), step(1.0)):
+        some.step(0, s)
+    assert some.summary() == {"no_signal_steps": 2, "eval_reward_errors": 0, "warnings": []}
+    assert SignalWatch().summary() == {"no_signal_steps": 0, "eval_reward_errors": 0, "warnings": []}  # no step
+
+
+def test_evaluation_reward_errors_are_said_once():
+    watch = SignalWatch()
+    assert watch.eval(0, {"eval/reward_errors": 0, "eval/prompts": 8, "eval/samples": 4}) is None
+    first = watch.eval(5, {"eval/reward_errors": 12, "eval/prompts": 8, "eval/samples": 4})
+    assert first.startswith("eval after step 5: 12 of 32 reward calls failed (scored 0)")
+    assert "fix reward.function" in first
+    assert watch.eval(10, {"eval/reward_errors": 3, "eval/prompts": 8, "eval/samples": 4}) is None
+    assert watch.summary()["eval_reward_errors"] == 15 and watch.summary()["warnings"] == [first]
+
+
+def test_the_summary_replays_the_run_files(tmp_path):
+    lines = [{"step": i, **step(1.0, 1.0)} for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 6, "torn')
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 6, "eval/reward_errors": 2, "eval/prompts": 1}) + "\n")
+    summary = signal_summary(tmp_path)
+    assert summary["no_signal_steps"] == 6 and summary["learned"] is False
+    assert summary["eval_reward_errors"] == 2
+    assert [w[:10] for w in summary["warnings"]] == ["steps 1-5:", "eval after"]
+    assert "the task is too easy" in summary["warnings"][0]
+
+
+# --- the driver's view and log -------------------------------------------------------------------
+def test_the_driver_view_logs_every_line_and_says_the_watchers_warnings(tmp_path):
+    out, log = io.StringIO(), tmp_path / "logs" / "driver.log"
+    view = DriverView(PlainLines(out), log, [SignalWatch(steps_in_a_row=2)])
+    view.say("starting")
+    for i in range(2):
+        view.step(StepStatus(i + 1, 10, 1.0, 9.0, step(1.0)), f"step {i + 1}/10 | reward 0.000")
+    view.eval({"eval/reward_errors": 1, "eval/prompts": 1, "eval/samples": 1}, "eval after step 2: pass@1 0.000")
+    view.close()
+    view.say("completed")  # after close: still logged
+    shown = out.getvalue().splitlines()
+    assert shown[3].startswith("warning: steps 1-2: every group scored alike") and shown[5].startswith("warning: eval")
+    logged = log.read_text().splitlines()
+    assert [line[11:] for line in logged] == shown  # each line with its time: "[HH:MM:SS] "
+    assert all(line[0] == "[" and line[9:11] == "] " for line in logged)
+
+
+def fake_training(behaviour):
+    """``launch.train.train`` stood in for: ``behaviour(run)`` trains (says, records steps) or raises."""
+
+    async def train(cfg, run, rows, model_path, stop, resume=None, eval_rows=None):
+        behaviour(run)
+        return Progress(done=cfg.run.steps)
+
+    return train
+
+
+def run_demo(tmp_path, tiny_model_dir, *extra):
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        f"run.output_dir={tmp_path}",
+        "run.steps=3",
+        "run.trackers=[jsonl]",
+        "data.num_rows=64",
+        *extra,
+    ]
+    result: dict = {}
+    try:
+        return run_training("configs/demo.yaml", overrides, result=result), result
+    finally:
+        result["driver_log"] = (tmp_path / result["run_dir"] / "logs" / "driver.log") if "run_dir" in result else None
+
+
+def test_a_completed_run_without_signal_writes_driver_log_and_says_it_learned_nothing(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    def trains_on_alike_groups(run):
+        run.say("training 3 steps")
+        for i in range(3):
+            run.step(i, {**step(1.0), "tokens_per_s": 10.0, "staleness_mean": 0.0, "staleness_max": 0})
+
+    monkeypatch.setattr(launch.train, "train", fake_training(trains_on_alike_groups))
+    code, result = run_demo(tmp_path, tiny_model_dir)
+    assert code == 0
+    summary = json.loads((tmp_path / result["run_dir"] / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["learned"] is False and summary["no_signal_steps"] == 3
+    log = result["driver_log"].read_text()
+    assert "training 3 steps" in log and "step    3/3 | reward 0.000" in log
+    assert "completed in" in log  # the final lines too
+    assert "warning: no step had a learning signal" in log and "the reward never fires" in log
+
+
+def test_an_unexpected_error_puts_its_traceback_in_driver_log(tmp_path, tiny_model_dir, monkeypatch):
+    def breaks(run):
+        run.say("training 3 steps")
+        raise KeyError("lost")
+
+    monkeypatch.setattr(launch.train, "train", fake_training(breaks))
+    with pytest.raises(UnexpectedError, match=r"KeyError: 'lost'; full traceback: .*driver\.log"):
+        run_demo(tmp_path, tiny_model_dir)
+    (run_dir,) = tmp_path.iterdir()
+    log = (run_dir / "logs" / "driver.log").read_text()
+    assert "training 3 steps" in log and "error: KeyError: 'lost'" in log
+    assert "Traceback (most recent call last)" in log and 'raise KeyError("lost")' in log
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize(("error", "attempts"), [(ActorKeepsFailing, 1), (ActorFailed, 2)])
+def test_an_actor_that_keeps_failing_is_not_resumed_and_its_error_is_in_driver_log(
+    tmp_path, tiny_model_dir, monkeypatch, error, attempts
+):
+    """run.max_restarts resumes from a checkpoint after a process failure, but not when the same
+    error killed the actors twice: it would meet it again."""
+    calls = []
+
+    def dies(run):
+        calls.append(1)
+        raise error("actor-0 stopped: RuntimeError: boom")
+
+    monkeypatch.setattr(launch.train, "train", fake_training(dies))
+    monkeypatch.setattr("launch.checkpoints.CheckpointStore.newest", lambda store, say: ("ckpt", {"step": 0}))
+    with pytest.raises(error, match="boom"):
+        run_demo(tmp_path, tiny_model_dir, "run.max_restarts=1")
+    assert len(calls) == attempts
+    (run_dir,) = tmp_path.iterdir()
+    assert "error: actor-0 stopped: RuntimeError: boom" in (run_dir / "logs" / "driver.log").read_text()
