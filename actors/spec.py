@@ -47,10 +47,10 @@ def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
     import torch
 
     tp = spec.tensor_parallel
-    memory = (
+    device = (
         {"gpu_memory_utilization": spec.engine.gpu_memory_utilization}
         if torch.cuda.is_available()
-        else {"kv_cache_memory_bytes": spec.engine.kv_cache_gib << 30}
+        else {"kv_cache_memory_bytes": spec.engine.kv_cache_gib << 30, **whole_prompt_prefill(spec.engine)}
     )
     return dict(
         model=spec.model_path,
@@ -60,11 +60,31 @@ def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
         enforce_eager=spec.engine.enforce_eager,
         worker_extension_cls="actors.vllm_worker.WeightReceiver",
         tensor_parallel_size=tp,
+        # the sampled tokens' log-probs of the distribution sampled (after temperature), not of the raw
+        # logits: the learner scores softmax(z / T) too, so the importance ratios compare like with like
+        logprobs_mode="processed_logprobs",
         # shard workers as child processes of this actor, on the GPUs (or cores) Ray gave it;
         # inside a Ray actor vLLM would otherwise pick its Ray executor and ask for new bundles
         **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
-        **memory,
+        **device,
     )
+
+
+MIN_PREFILL_TOKENS = 8192  # tokens per engine step on the CPU: vLLM's CPU default is 4096
+
+
+def whole_prompt_prefill(engine: EngineConfig) -> dict[str, Any]:
+    """CPU engine arguments that never split a prompt's prefill over two engine steps.
+
+    When a generate call holds more prompt tokens than one step's budget, vLLM's chunked prefill splits
+    a prompt, throws away the token sampled after the partial prefill and rewinds that request's seeded
+    generator, and a CPU ``torch.Generator`` cannot rewind ("CPU Generator does not use offset"): the
+    actor died on any call of more than ~4K prompt tokens with the default per-prompt seeds. Without
+    chunked prefill a prompt is prefilled whole or waits for the next step, so seeded sampling stays
+    reproducible per prompt (vLLM warns that the model does not "officially support" this; the sampled
+    tokens and log-probs are the same as with chunking, measured on the tiny model). The budget must hold
+    the longest prompt: at least ``engine.max_model_len``."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(engine.max_model_len, MIN_PREFILL_TOKENS)}
 
 
 def sampling_params(

@@ -231,6 +231,7 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
         roles,
         total_updates=cfg.run.steps * cfg.algorithm.updates_per_batch,
         timeline=cfg.run.timeline,
+        temperature=cfg.rollout.temperature,
     )
     setups = [w.setup.remote(master_addr, master_port, spec) for w in workers]
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)

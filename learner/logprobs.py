@@ -15,6 +15,12 @@ softmax from it:
 
 so the log-prob stage's extra memory is ``chunk x V`` floats, whatever ``N`` is. The entropy is a
 metric (no gradient), computed chunk by chunk under ``no_grad``.
+
+Sampling temperature ``tau``: the actors sample from ``softmax(z / tau)`` and report that
+distribution's log-probs, so the learner scores the same one, ``z -> z / tau`` chunk by chunk
+(no second ``[N, V]`` tensor), and the gradient carries the factor:
+
+    d log pi_tau(y_i) / d z_{i, v} = (1[v = y_i] - p_tau_{i, v}) / tau
 """
 
 from __future__ import annotations
@@ -25,46 +31,49 @@ from torch import Tensor
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, ids: Tensor, chunk: int) -> Tensor:
+    def forward(ctx, logits: Tensor, ids: Tensor, chunk: int, temperature: float) -> Tensor:
         out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for start in range(0, logits.size(0), chunk):
-            z = logits[start : start + chunk].float()
+            z = logits[start : start + chunk].float() / temperature  # z / tau
             lse[start : start + chunk] = torch.logsumexp(z, dim=-1)
             picked = z.gather(1, ids[start : start + chunk, None]).squeeze(1)
-            out[start : start + chunk] = picked - lse[start : start + chunk]
+            out[start : start + chunk] = picked - lse[start : start + chunk]  # log pi_tau(y) = z_y/tau - lse(z/tau)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, ids, lse = ctx.saved_tensors
+        tau = ctx.temperature
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.size(0), ctx.chunk):
             end = start + ctx.chunk
-            g = logits[start:end].float() - lse[start:end, None]  # one [c, V] buffer, worked in place:
-            g.exp_().mul_(-grad[start:end, None])  # -p * grad
-            g.scatter_add_(1, ids[start:end, None], grad[start:end, None])  # + 1[v = y] * grad
+            scaled = grad[start:end, None] / tau  # grad / tau
+            g = logits[start:end].float() / tau - lse[start:end, None]  # one [c, V] buffer, worked in place:
+            g.exp_().mul_(-scaled)  # -p_tau * grad / tau
+            g.scatter_add_(1, ids[start:end, None], scaled)  # + 1[v = y] * grad / tau
             grad_logits[start:end] = g
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
-def token_logprobs(logits: Tensor, ids: Tensor, chunk: int = 1024) -> Tensor:
-    """``[N]`` fp32 ``log pi(ids_i)`` from ``[N, V]`` logits, ``chunk`` rows at a time (see above);
-    differentiable with respect to ``logits``. ``chunk <= 0``: all rows at once."""
+def token_logprobs(logits: Tensor, ids: Tensor, chunk: int = 1024, temperature: float = 1.0) -> Tensor:
+    """``[N]`` fp32 ``log pi_tau(ids_i)`` from ``[N, V]`` logits, ``pi_tau = softmax(z / temperature)``,
+    ``chunk`` rows at a time (see above); differentiable with respect to ``logits``. ``chunk <= 0``:
+    all rows at once."""
     if logits.size(0) == 0:
         return logits.new_zeros(0, dtype=torch.float32)
-    return _ChunkedTokenLogprob.apply(logits, ids, chunk if chunk > 0 else logits.size(0))
+    return _ChunkedTokenLogprob.apply(logits, ids, chunk if chunk > 0 else logits.size(0), float(temperature))
 
 
 @torch.no_grad()
-def token_entropy(logits: Tensor, chunk: int = 1024) -> Tensor:
-    """``[N]`` fp32 entropy of each row's softmax, ``chunk`` rows at a time (no gradient)."""
+def token_entropy(logits: Tensor, chunk: int = 1024, temperature: float = 1.0) -> Tensor:
+    """``[N]`` fp32 entropy of each row's ``softmax(z / temperature)``, ``chunk`` rows at a time (no gradient)."""
     out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
     step = chunk if chunk > 0 else max(logits.size(0), 1)
     for start in range(0, logits.size(0), step):
-        z = logits[start : start + step].float()
+        z = logits[start : start + step].float() / temperature
         lse = torch.logsumexp(z, dim=-1)
         out[start : start + step] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
     return out

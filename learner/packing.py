@@ -335,9 +335,11 @@ def packed_completion_logprobs(
     mask: torch.Tensor | None = None,
     with_entropy: bool = False,
     chunk: int = 1024,
+    temperature: float = 1.0,
 ):
     """log pi(token) of every completion token: ``[n, T]`` (and the entropy ``[n, T]`` of each
     predicting distribution when ``with_entropy``), zero on padding and where ``mask`` is 0.
+    ``pi = softmax(logits / temperature)``: the distribution the actors sampled from.
 
     ``logits`` is ``[R, Lr, V]`` (the full rows) or ``[1, N, V]`` (the model was called with
     ``logits_to_keep=batch.logit_positions``). The log-softmax runs over the N predicting
@@ -352,10 +354,10 @@ def packed_completion_logprobs(
         picked = logits[0]  # [N, V]
     else:
         raise ValueError(f"logits cover {logits.size(1)} positions; expected L={batch.input_ids.size(1)} or N={n_keep}")
-    token_logp = token_logprobs(picked, batch.completion_ids[valid], chunk)  # [N] fp32
+    token_logp = token_logprobs(picked, batch.completion_ids[valid], chunk, temperature)  # [N] fp32
     zeros = torch.zeros(valid.shape, dtype=token_logp.dtype, device=token_logp.device)
     keep = valid.to(zeros.dtype) if mask is None else mask.to(zeros.dtype)
     out = zeros.masked_scatter(valid, token_logp) * keep  # [n, T]
     if not with_entropy:
         return out
-    return out, (zeros.masked_scatter(valid, token_entropy(picked, chunk)) * keep)
+    return out, (zeros.masked_scatter(valid, token_entropy(picked, chunk, temperature)) * keep)

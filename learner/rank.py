@@ -75,6 +75,7 @@ class Layout:
     mask_dtype: torch.dtype | None  # bool for sdpa, the activation dtype for eager
     row_tokens: int | None  # learner.pack_row_tokens
     logprob_chunk: int = 1024  # learner.logprob_chunk_tokens
+    temperature: float = 1.0  # rollout.temperature: log-probs of softmax(z / T), the distribution sampled
 
 
 class RankStep:
@@ -94,7 +95,8 @@ class RankStep:
     def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False):
         logits = model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
         self.vocab = logits.shape[-1]
-        return packed_completion_logprobs(logits, micro, mask, with_entropy, self.layout.logprob_chunk)
+        lay = self.layout
+        return packed_completion_logprobs(logits, micro, mask, with_entropy, lay.logprob_chunk, lay.temperature)
 
     def _values(self, micro: PackedInputs, mask: torch.Tensor) -> torch.Tensor:
         return packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float() * mask  # [n, T]

@@ -47,6 +47,7 @@ class RankSpec:
     roles: tuple[str, ...] = ("policy",)  # policy / critic / reference
     total_updates: int = 0  # optimizer updates in the run (the schedule's decay length; 0: no decay)
     timeline: bool = True  # record spans for RUN_DIR/timeline.jsonl (run.timeline)
+    temperature: float = 1.0  # rollout.temperature: the ranks score softmax(z / T), what the actors sampled
 
 
 def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
@@ -64,7 +65,9 @@ def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
     }
 
 
-def packing_layout(attention: Attention, learner: LearnerConfig, dtype: str, pad_id: int, device) -> Layout:
+def packing_layout(
+    attention: Attention, learner: LearnerConfig, dtype: str, pad_id: int, device, temperature: float = 1.0
+) -> Layout:
     """How a rank packs for ``attention``: varlen kernels get one row per micro-batch and no mask
     (the sequences are found from the position ids); sdpa a boolean block mask (a quarter of a
     float mask's memory); eager an additive one in the compute dtype, which it adds to the scores."""
@@ -75,7 +78,8 @@ def packing_layout(attention: Attention, learner: LearnerConfig, dtype: str, pad
     else:
         float_mask = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         mask_dtype, row_tokens = (torch.bool if attention.mask == "bool" else float_mask), learner.pack_row_tokens
-    return Layout(pad_id, device, mask_dtype, row_tokens, logprob_chunk=learner.logprob_chunk_tokens)
+    chunk = learner.logprob_chunk_tokens
+    return Layout(pad_id, device, mask_dtype, row_tokens, logprob_chunk=chunk, temperature=temperature)
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -151,7 +155,7 @@ class LearnerWorker:
         self.policy, self.critic = models.policy, models.critic
         self.model_path = spec.model_path
         pad_id = AutoTokenizer.from_pretrained(spec.model_path).pad_token_id or 0
-        layout = packing_layout(attention, spec.learner, spec.dtype, pad_id, device)
+        layout = packing_layout(attention, spec.learner, spec.dtype, pad_id, device, spec.temperature)
         self.step = RankStep(models, spec.algorithm, layout, spec.max_tokens, self.world_size)
         print(
             f"[{'learner' if models.policy else roles[0]} {self.rank}/{self.world_size}] ready: "

@@ -110,3 +110,20 @@ def test_several_config_files_merge_in_order(tmp_path):
     assert (cfg.rollout.group_size, cfg.rollout.weight_update) == (4, "inflight")
     with pytest.raises(ConfigError, match="missing.yaml does not exist"):
         load_config([str(job), str(tmp_path / "missing.yaml")])
+
+
+def test_top_p_below_one_is_refused_because_the_learner_cannot_model_it():
+    with pytest.raises(ConfigError, match=r"rollout.top_p = 0.95 is not modelled by the learner.*set rollout.top_p=1.0"):
+        load_config(None, REQUIRED + ["rollout.top_p=0.95"])
+    assert load_config(None, REQUIRED + ["rollout.temperature=0.6"]).rollout.temperature == 0.6
+
+
+def test_the_actors_engine_reports_the_sampled_distributions_logprobs_and_prefills_whole_prompts_on_cpu():
+    from actors.spec import ActorSpec, engine_kwargs
+
+    cfg = load_config(None, REQUIRED + ["engine.max_model_len=12000"])
+    spec = ActorSpec("actor-0", "m", cfg.engine, cfg.rollout, cfg.reward, "float32", 0)
+    kwargs = engine_kwargs(spec)
+    assert kwargs["logprobs_mode"] == "processed_logprobs"  # after temperature, as the learner scores
+    # no chunked prefill on the CPU: a seeded request split over two steps crashes vLLM's CPU runner
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 12000

@@ -47,3 +47,40 @@ def test_bf16_logits_get_bf16_gradients_and_no_rows_is_fine():
     out.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
     assert token_logprobs(torch.zeros(0, 11), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+def test_temperature_scores_the_distribution_that_was_sampled():
+    # z = [2, 0], T = 0.6: the sampler draws from softmax(z / T) = softmax([10/3, 0]):
+    #   p_T = [1 / (1 + e^{-10/3}), e^{-10/3} / (1 + e^{-10/3})] = [0.96555, 0.03445]
+    # while softmax(z) = [0.88080, 0.11920]. Scored at T = 1, the ratio to the sampler would be off by
+    # 0.8808 / 0.96555 = 0.912 for token 0 and 0.1192 / 0.03445 = 3.46 for token 1: TIS would "correct" a
+    # difference that is only the temperature. Scored at T, the ratio is exactly 1.
+    logits = torch.tensor([[2.0, 0.0], [2.0, 0.0]], requires_grad=True)
+    e = math.exp(-10 / 3)
+    p_t = [1 / (1 + e), e / (1 + e)]
+    logp = token_logprobs(logits, torch.tensor([0, 1]), chunk=1, temperature=0.6)
+    assert logp.tolist() == pytest.approx([math.log(p_t[0]), math.log(p_t[1])], rel=1e-5)
+    raw = token_logprobs(logits.detach(), torch.tensor([0, 1]))
+    assert torch.exp(raw - logp).tolist() == pytest.approx([0.9122, 3.4600], abs=1e-3)
+    # d log p_T(y) / dz_v = (1[v = y] - p_T,v) / T
+    logp.sum().backward()
+    expected = [[(1 - p_t[0]) / 0.6, -p_t[1] / 0.6], [-p_t[0] / 0.6, (1 - p_t[1]) / 0.6]]
+    assert logits.grad.tolist()[0] == pytest.approx(expected[0], rel=1e-5)
+    assert logits.grad.tolist()[1] == pytest.approx(expected[1], rel=1e-5)
+    # the entropy is the sampled distribution's too
+    h = -(p_t[0] * math.log(p_t[0]) + p_t[1] * math.log(p_t[1]))
+    assert token_entropy(logits.detach(), temperature=0.6).tolist() == pytest.approx([h, h], rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_tempered_chunks_equal_a_full_log_softmax_of_scaled_logits(chunk):
+    torch.manual_seed(1)
+    logits = (torch.randn(11, 37) * 3).requires_grad_()
+    ids = torch.randint(0, 37, (11,))
+    weights = torch.randn(11)
+    (token_logprobs(logits, ids, chunk, temperature=0.7) * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    full = torch.log_softmax(logits / 0.7, -1).gather(1, ids[:, None]).squeeze(1)
+    (full * weights).sum().backward()
+    torch.testing.assert_close(ours, logits.grad)
