@@ -133,8 +133,20 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative.")
     max_tokens: int = Field(16, gt=0, description="Longest completion, in tokens; longer ones are truncated.")
     min_tokens: int = Field(0, ge=0, description="Tokens sampled before EOS is allowed (1 forbids empty answers).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature T. The policy trained is softmax(logits / T), the distribution sampled: "
+        "the engine reports its log-probs and the learner scores logits / T, so TIS and the ratios compare like "
+        "with like.",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling threshold; only 1.0 (off) can be trained on: the learner does not model the "
+        "truncated distribution.",
+    )
     prompts_per_request: int = Field(
         8, gt=0, description="Prompts an actor takes from the prompt queue per vLLM generate call."
     )
@@ -146,6 +158,18 @@ class RolloutConfig(Section):
     max_inflight_prompts: int = Field(
         16, gt=0, description="Prompts an inflight actor keeps generating at once (continuous batching)."
     )
+
+    @model_validator(mode="after")
+    def _sampling_the_learner_can_model(self) -> RolloutConfig:
+        # Tokens drawn from the nucleus would be trained and TIS-corrected as if drawn from the whole
+        # vocabulary: the ratios would be wrong by the nucleus mass, silently. Refuse it instead.
+        if self.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p = {self.top_p} is not modelled by the learner (it scores the whole softmax(logits / "
+                "T), so the importance ratios of nucleus samples would be wrong); set rollout.top_p=1.0 and use "
+                "rollout.temperature to sharpen sampling"
+            )
+        return self
 
 
 class EngineConfig(Section):

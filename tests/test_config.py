@@ -113,7 +113,7 @@ def test_several_config_files_merge_in_order(tmp_path):
 
 
 def test_top_p_below_one_is_refused_because_the_learner_cannot_model_it():
-    with pytest.raises(ConfigError, match=r"rollout.top_p = 0.95 is not modelled by the learner.*set rollout.top_p=1.0"):
+    with pytest.raises(ConfigError, match=r"rollout.top_p = 0.95 is not modelled by the learner.*top_p=1.0"):
         load_config(None, REQUIRED + ["rollout.top_p=0.95"])
     assert load_config(None, REQUIRED + ["rollout.temperature=0.6"]).rollout.temperature == 0.6
 
