@@ -79,9 +79,11 @@ def append_log(path: str | os.PathLike, text: str, stamp: bool = True) -> None:
     """Append ``text`` (ANSI colours removed) to a log file, with the time on its first line.
     Opened and closed per call: the driver writes a few lines a step, after any close."""
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    text = ANSI.sub("", text).rstrip("\n")
+    body = text.lstrip("\n")  # a message's leading blank lines come before its time, not after
     prefix = time.strftime("[%H:%M:%S] ") if stamp else ""
     with open(path, "a", encoding="utf-8") as log:
-        log.write(prefix + ANSI.sub("", text).rstrip("\n") + "\n")
+        log.write(text[: len(text) - len(body)] + prefix + body + "\n")
 
 
 def last_error_line(path: str | os.PathLike, tail_bytes: int = 65536) -> str | None:

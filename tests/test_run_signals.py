@@ -105,12 +105,12 @@ def test_the_driver_view_logs_every_line_and_says_the_watchers_warnings(tmp_path
         view.step(StepStatus(i + 1, 10, 1.0, 9.0, step(1.0)), f"step {i + 1}/10 | reward 0.000")
     view.eval({"eval/reward_errors": 1, "eval/prompts": 1, "eval/samples": 1}, "eval after step 2: pass@1 0.000")
     view.close()
-    view.say("completed")  # after close: still logged
+    view.say("\ncompleted")  # after close: still logged; the blank line before its time
     shown = out.getvalue().splitlines()
     assert shown[3].startswith("warning: steps 1-2: every group scored alike") and shown[5].startswith("warning: eval")
     logged = log.read_text().splitlines()
     assert [line[11:] for line in logged] == shown  # each line with its time: "[HH:MM:SS] "
-    assert all(line[0] == "[" and line[9:11] == "] " for line in logged)
+    assert logged[-2] == "" and all(line[0] == "[" and line[9:11] == "] " for line in logged[:-2] + logged[-1:])
 
 
 def fake_training(behaviour):
