@@ -14,6 +14,10 @@ second tokenisation (that could drift: a BOS added twice, a space merged differe
 
 A row without ``messages`` becomes one user message holding its prompt. With raw text a
 ``data.system_prompt`` is put before the prompt, followed by a blank line.
+
+``auto`` on a tokenizer without a template falls back to raw text silently here (the renderer runs in
+every actor); ``fallback_note`` is the one line the start-up checks and ``tandem check-data`` print
+about it, because a chat model's base checkpoint without a template is a common, quiet mistake.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ RENDER_CHUNK = 2048  # rows per batched tokenizer call
 
 
 class PromptRenderer:
-    """Renders rows for one tokenizer; ``uses_template`` says whether the chat template is used."""
+    """Renders rows for one tokenizer; ``uses_template`` says whether a chat template is used and
+    ``template`` which one: ``"tokenizer"`` (its own), ``"file"`` (``data.chat_template``'s) or ``"none"``."""
 
     def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str | None = None):
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self.template_file: Path | None = None
         if chat_template not in ("auto", "none"):
             path = Path(chat_template).expanduser()
             if path.suffix != ".jinja" or not path.is_file():
@@ -39,8 +45,37 @@ class PromptRenderer:
                     "fix the path or use auto"
                 )
             tokenizer.chat_template = path.read_text()
+            self.template_file = path
         self.uses_template = chat_template != "none" and bool(getattr(tokenizer, "chat_template", None))
         self.mode = chat_template
+
+    @property
+    def template(self) -> str:
+        """``"file"``, ``"tokenizer"`` or ``"none"`` (raw text): where the prompts' template comes from."""
+        if not self.uses_template:
+            return "none"
+        return "file" if self.template_file is not None else "tokenizer"
+
+    def describe(self) -> str:
+        """The template in words, for a person checking what the sampler will see."""
+        return {
+            "file": f"the chat template of {self.template_file} (data.chat_template)",
+            "tokenizer": f"the chat template of the tokenizer of {self._model_name()}",
+            "none": "raw text, no chat template"
+            + (" (data.chat_template=none)" if self.mode == "none" else " (the tokenizer has none)"),
+        }[self.template]
+
+    def fallback_note(self) -> str | None:
+        """One line when ``auto`` found no template and falls back to raw text; None otherwise."""
+        if self.mode != "auto" or self.uses_template:
+            return None
+        return (
+            f"data.chat_template=auto: the tokenizer of {self._model_name()} has no chat template; prompts are "
+            "sent as raw text (set data.chat_template to a .jinja file to use one)"
+        )
+
+    def _model_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "") or "the model")
 
     @classmethod
     def load(cls, model_path: str, chat_template: str = "auto", system_prompt: str | None = None) -> PromptRenderer:
