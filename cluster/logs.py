@@ -17,6 +17,7 @@ import sys
 import time
 
 VLLM_DUMP_LOGGER = "vllm.logging_utils.dump_input"  # vllm/logging_utils/dump_input.py
+DEATH_MARK = "stopped; the driver saw this error"  # the header of a death appended to a log
 DUMP_CHARS = 600  # a dump record keeps this many characters (the config's head: model, dtype)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its traceback headers
 # the line between two exceptions of a chained traceback
@@ -86,15 +87,18 @@ def append_log(path: str | os.PathLike, text: str, stamp: bool = True) -> None:
         log.write(text[: len(text) - len(body)] + prefix + body + "\n")
 
 
-def last_error_line(path: str | os.PathLike, tail_bytes: int = 65536) -> str | None:
+def last_error_line(path: str | os.PathLike, tail_bytes: int = 8192) -> str | None:
     """The last line of ``path``'s tail that reads like a raised exception (``SomeError: text``),
-    or None: what a process that died without telling its caller wrote last."""
+    after the last death the driver recorded there (``DEATH_MARK``: a replaced process writes on
+    in the same log), or None: what a process that died without telling its caller wrote last."""
     try:
         with open(path, "rb") as log:
             log.seek(max(0, os.path.getsize(path) - tail_bytes))
             lines = log.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return None
+    marks = [i for i, line in enumerate(lines) if DEATH_MARK in line]
+    lines = lines[marks[-1] + 1 :] if marks else lines
     found = [line.strip() for line in lines if EXCEPTION_LINE.match(ANSI.sub("", line))]
     return ANSI.sub("", found[-1]) if found else None
 

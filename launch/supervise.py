@@ -16,7 +16,9 @@ Every death is written at the end of the dead actor's log (Ray hands the excepti
 not to that log) and quoted in one line (``describe_death``). An actor that dies with the same
 error (type and message, numbers aside) as an earlier death in the pool is not replaced: a new one
 would fail the same way, so ``ActorKeepsFailing`` stops the run at once, naming the error.
-A process killed from outside with no error in its log (kill -9, a lost node) is restarted as before.
+A process that died without raising (kill -9, the OOM killer, a crash, a lost node) is quoted from
+the last error line of its log, if any, and replaced as before: a line there may be an error that
+was handled (a reward's), so it is no proof of the cause.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from cluster.logs import append_log, exception_lines, last_error_line
+from cluster.logs import DEATH_MARK, append_log, exception_lines, last_error_line
 from launch.ledger import PromptLedger
 from launch.stepping import ActorFailed, ActorWatch, loop_cause
 
@@ -43,7 +45,7 @@ class ActorKeepsFailing(ActorFailed):
 @dataclass
 class Death:
     line: str  # the error in one line: "Type: message" (and its root cause), or what Ray said
-    known: bool  # a raised exception was seen (not a process killed from outside, silently)
+    known: bool  # the loop raised this exception (not a process that died: its cause is a guess)
     text: str  # what goes into the actor's log: the traceback, or Ray's message
 
     @property
@@ -64,8 +66,8 @@ def describe_death(loop: asyncio.Future, log_path: str) -> Death:
     if _process_died(exc):
         said = str(exc).strip()
         last = last_error_line(log_path)
-        if last:
-            return Death(_cut(f"{last} (the last error in its log)"), True, said)
+        if last:  # quoted, but not proof of the cause: a handled error (a reward's) is logged too
+            return Death(_cut(f"{last} (the last error in its log)"), False, said)
         return Death(_cut((said.splitlines() or [type(exc).__name__])[0]), False, said)
     text = "".join(traceback.format_exception(exc))
     return Death(_one_line(exception_lines(text), exc), True, text)
@@ -96,7 +98,7 @@ def _process_died(exc: BaseException) -> bool:
 def record_death(name: str, death: Death, log_path: str) -> None:
     """Append the death to the actor's log, when the run's logs/ folder is there (every real run)."""
     if os.path.isdir(os.path.dirname(log_path)):
-        append_log(log_path, f"--- {name} stopped; the driver saw this error ---\n{death.text}")
+        append_log(log_path, f"--- {name} {DEATH_MARK} ---\n{death.text}")
 
 
 def fix_for(line: str) -> str:

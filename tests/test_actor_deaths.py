@@ -117,7 +117,12 @@ def test_a_killed_process_is_quoted_from_its_log_when_it_wrote_an_error(tmp_path
     log = tmp_path / "actor-0.log"
     log.write_text("INFO engine ready\nTraceback (most recent call last):\n  File 'x'\ntorch.OutOfMemoryError: 2 GiB\n")
     death = describe_death(failed(ActorDiedError()), str(log))
-    assert death.known and death.line == "torch.OutOfMemoryError: 2 GiB (the last error in its log)"
+    assert death.line == "torch.OutOfMemoryError: 2 GiB (the last error in its log)"
+    assert not death.known  # a guess: a handled error (a reward's) is logged the same way
+    with log.open("a") as out:  # the driver recorded that death; the replacement then died silently
+        out.write("[12:00:00] --- actor-0 stopped; the driver saw this error ---\nINFO engine ready\n")
+    death = describe_death(failed(ActorDiedError()), str(log))
+    assert death.line == "The actor died unexpectedly before finishing this task."  # not the old error
     silent = tmp_path / "actor-1.log"
     silent.write_text("INFO engine ready\n")
     death = describe_death(failed(ActorDiedError()), str(silent))  # kill -9: nothing to quote
@@ -139,7 +144,7 @@ class FakeRun:
 
 def build_pool(tmp_path, deaths: list[BaseException], max_restarts: int = 3) -> ActorPool:
     """Two actors; each started loop fails with the next of ``deaths`` (then never ends)."""
-    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs").mkdir(exist_ok=True)
     loop = asyncio.get_running_loop()
     futures = []
     for exc in deaths:
@@ -207,8 +212,11 @@ def test_an_actor_that_dies_of_the_same_error_twice_stops_the_run_at_once(tmp_pa
 
 def test_different_errors_and_silent_kills_are_replaced_up_to_the_limit(tmp_path):
     async def go():
-        # both actors killed silently (kill -9), then each dies of its own error: all four replaced;
-        # actor-0's third death is one past its limit
+        # both actors die without raising (kill -9), their logs ending with the same (handled) error,
+        # then each dies of its own error: all four replaced; actor-0's third death is one past its limit
+        (tmp_path / "logs").mkdir()
+        for name in ("actor-0", "actor-1"):
+            (tmp_path / "logs" / f"{name}.log").write_text("ValueError: reward failed (scored 0)\n")
         kill = ActorDiedError()
         deaths = [kill, kill, RuntimeError("one thing"), RuntimeError("another"), RuntimeError("a third")]
         pool = build_pool(tmp_path, deaths, max_restarts=2)
@@ -221,4 +229,6 @@ def test_different_errors_and_silent_kills_are_replaced_up_to_the_limit(tmp_path
         "actor-0 stopped: RuntimeError: a third; it was replaced 2"
     )
     assert pool.total_restarts == 4
-    assert "stopped: The actor died unexpectedly before finishing this task.; starting a new one" in pool.run.said[0]
+    assert pool.run.said[0].startswith(
+        "actor-0 stopped: ValueError: reward failed (scored 0) (the last error in its log); starting a new one"
+    )
