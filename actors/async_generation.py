@@ -47,6 +47,7 @@ class AsyncGenerationActor:
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.spec)))
+            await self.engine.update_weight_version(str(self.policy.version))  # the label of the first tokens
             tokenizer = self.engine.tokenizer
             steps = self.spec.step_delimiter is not None
             scorer = RewardScorer(self.spec.reward, steps, model_actors=self.spec.reward_model_actors)
@@ -80,6 +81,8 @@ class AsyncGenerationActor:
             try:
                 await self.engine.collective_rpc(self.transfer.method, args=(packed,))
                 await self.engine.reset_prefix_cache()
+                # while paused: the engine labels every token it samples from now on with this version
+                await self.engine.update_weight_version(str(version))
                 self.policy.loaded(version)
             finally:
                 del keep
@@ -121,18 +124,18 @@ class AsyncGenerationActor:
         # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
         # for a request that is being recomputed, which is what a weight swap does.
         params = sampling_params(self.spec.rollout, 1, seed=None, stream=True, temperature=request.temperature)
-        ids, logprobs, versions, prompt_ids, finish = [], [], [], None, "stop"
+        ids, logprobs, prompt_ids, finish, spans = [], [], None, "stop", None
         async for out in self.engine.generate(engine_prompt(request), params, request_id=uuid.uuid4().hex):
             prompt_ids = prompt_ids or list(out.prompt_token_ids)
             delta = out.outputs[0]
             new = list(delta.token_ids)
             ids += new
             logprobs += [step[tok].logprob for tok, step in zip(new, delta.logprobs or [])]
-            versions += [self.policy.version] * len(new)  # the weights loaded while these tokens were sampled
             if out.finished:
                 finish = "length" if delta.finish_reason == "length" else "stop"
+                spans = getattr(delta, "weight_versions", None)
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        return Sample(prompt_ids, ids, logprobs, versions, finish, text)
+        return Sample(prompt_ids, ids, logprobs, token_versions(spans, len(ids)), finish, text)
 
     async def generate_group(self, request: PromptRequest) -> TrajectoryGroup:
         start = time.monotonic()
@@ -229,6 +232,27 @@ class AsyncGenerationActor:
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()
+
+
+def token_versions(spans, n: int) -> list[int]:
+    """The policy version of each of ``n`` sampled tokens, from the engine's own record: vLLM's engine
+    core labels every step's outputs with the weight version set while it was paused
+    (``update_weight_version``), and a finished output carries them as spans ``[start, end)``. Reading
+    the actor's clock when a token is read instead would be right only by event-loop ordering: tokens
+    sampled before a swap but read after it would be stamped with the new version."""
+    if n == 0:
+        return []
+    if not spans:
+        raise RuntimeError(
+            "the engine returned no weight-version spans for a finished completion; this vLLM does not label "
+            "tokens with their weights (vLLM >= 0.32 does), so in-flight updates cannot tag tokens"
+        )
+    versions = [0] * n
+    for span in spans:
+        versions[span.start : span.end] = [int(span.version)] * (min(span.end, n) - span.start)
+    if spans[0].start != 0 or spans[-1].end != n:
+        raise RuntimeError(f"the engine's weight-version spans cover [{spans[0].start}, {spans[-1].end}) of {n} tokens")
+    return versions
 
 
 def _cuda() -> bool:

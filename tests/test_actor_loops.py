@@ -106,26 +106,42 @@ def test_sync_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close
 
 class FakeAsyncLLM:
     """``AsyncLLM`` as the in-flight actor uses it: each request streams 6 tokens; after the third
-    it waits until new weights are loaded, so a swap lands exactly mid-generation."""
+    it waits until new weights are loaded, so a swap lands exactly mid-generation. Like vLLM's engine
+    core it labels each token with the weight version set when it was sampled, and a finished output
+    carries the labels as spans. ``late``: the first three tokens are sampled before the swap but only
+    reach the actor after it (an output read late), as vLLM's output handler can deliver them."""
 
-    def __init__(self):
+    def __init__(self, late: bool = False):
         self.tokenizer = FakeTokenizer()
         self.vllm_config = _config()
-        self.halfway = asyncio.Event()  # a request has streamed its first half
+        self.halfway = asyncio.Event()  # a request has sampled its first half
         self.swapped = asyncio.Event()  # weights were loaded
-        self.paused = 0
+        self.paused, self.late = 0, late
+        self.weight_version = "default"
+
+    async def update_weight_version(self, version: str):
+        self.weight_version = version
 
     async def generate(self, prompt, params, request_id):
         if prompt == "boom":
             raise RuntimeError("engine failed on this prompt")
+        labels, unread = [], []
         for t in range(6):
             if t == 3:
                 self.halfway.set()
                 await self.swapped.wait()
+            labels.append(self.weight_version)  # the engine's record, at sampling time
             last = t == 5
-            yield SimpleNamespace(
-                prompt_token_ids=[3, 4], outputs=[_completion([DIGIT], "length" if last else None)], finished=last
-            )
+            unread.append(_completion([DIGIT], "length" if last else None))
+            if self.late and t < 3:
+                continue  # sampled now, delivered after the swap
+            for completion in unread:
+                if last and completion is unread[-1]:
+                    completion.weight_versions = _spans(labels)
+                yield SimpleNamespace(
+                    prompt_token_ids=[3, 4], outputs=[completion], finished=last and completion is unread[-1]
+                )
+            unread = []
 
     async def pause_generation(self, mode: str, clear_cache: bool):
         self.paused += 1
@@ -144,8 +160,19 @@ class FakeAsyncLLM:
         pass
 
 
-async def _inflight_run(prompts_to_send: list[str]):
-    engine = FakeAsyncLLM()
+def _spans(labels: list[str]) -> list:
+    """Contiguous runs of equal labels as vLLM's ``WeightVersionSpan(version, start, end)``."""
+    spans = []
+    for i, label in enumerate(labels):
+        if spans and spans[-1].version == label:
+            spans[-1].end = i + 1
+        else:
+            spans.append(SimpleNamespace(version=label, start=i, end=i + 1))
+    return spans
+
+
+async def _inflight_run(prompts_to_send: list[str], late: bool = False):
+    engine = FakeAsyncLLM(late)
     spec = actor_spec("fake", None, "builtin:echo", group_size=2, weight_update="inflight")
     actor = AsyncGenerationActor(spec, engine)
     await actor.ready()
@@ -156,9 +183,13 @@ async def _inflight_run(prompts_to_send: list[str]):
     return engine, actor, prompts, results, channel, run
 
 
-def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token():
+@pytest.mark.parametrize("late", [False, True])
+def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token(late):
+    # late: three tokens sampled with version 0 reach the actor only after the swap to version 1; their
+    # version is the engine's record of the weights that sampled them, not the actor's clock when read
+    # (on main, stamped when read: [1, 1, 1, 1, 1, 1])
     async def go():
-        engine, actor, prompts, results, channel, run = await _inflight_run(["copy 5:"])
+        engine, actor, prompts, results, channel, run = await _inflight_run(["copy 5:"], late)
         await asyncio.wait_for(engine.halfway.wait(), 5)
         channel.publish(1, weights(1.0))  # the watcher sees it and swaps while the request waits
         (group,) = await results.get_batch_async(1, timeout=5)
