@@ -1,9 +1,10 @@
 """Checks that need the model and the prompt rows, run before any process starts.
 
 The config alone cannot tell whether ``engine.max_model_len`` fits the model, whether every
-prompt leaves room for ``rollout.max_tokens`` of completion, or whether the run directory can
-be written. Found later, these are a vLLM traceback inside an actor or a run that dies after
-minutes of start-up; found here, each is one line naming the keys and the fix.
+prompt leaves room for ``rollout.max_tokens`` of completion, whether the rows carry the answer the
+reward needs, or whether the run directory can be written. Found later, these are a vLLM traceback
+inside an actor or a run that dies after minutes of start-up (or, for a missing answer, after three
+steps of failed rewards); found here, each is one line naming the keys and the fix.
 
 The model's config and tokenizer are read from the model directory or the local Hugging Face
 cache only: offline, the hub client retries for over a minute, so a hub id not downloaded yet
@@ -18,11 +19,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from actors.config import RewardConfig
 from launch.config import TandemConfig
 from queues.config import DataConfig
 from queues.templates import PromptRenderer
 
 TOKENIZE_CHUNK = 4096  # rows per tokenizer call: batched (fast) without holding every row's ids at once
+# Rewards known to read row["answer"]: without it every one of their calls fails (after start-up, steps
+# of zero reward). A user's function may need it too, but only its own code can say so.
+NEEDS_ANSWER = ("builtin:math",)
+SOURCE_FIELD = "data_source"  # verl's column, by which actors/reward_parts.py picks a by_source function
 
 
 class PreflightError(ValueError):
@@ -30,11 +36,76 @@ class PreflightError(ValueError):
 
 
 def preflight(cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Check the output directory, the context length and every prompt's length; return the rows to train on
-    (all of them, or those that fit when ``data.skip_long_prompts``). Raise ``PreflightError`` otherwise."""
+    """Check the output directory, the context length, the rows' answers and every prompt's length; return
+    the rows to train on (all of them, or those that fit when ``data.skip_long_prompts``). Raise
+    ``PreflightError`` otherwise. ``data.chat_template=auto`` falling back to raw text is said in one line."""
     check_output_dir(cfg.run.output_dir)
     check_context_length(cfg.engine.max_model_len, model_path)
-    return check_prompt_lengths(cfg, model_path, rows)
+    check_answers(cfg.reward, cfg.data, rows)
+    renderer = load_renderer(model_path, cfg.data)
+    note = renderer.fallback_note() if renderer is not None else None
+    if note:
+        print(f"tandem: {note}", file=sys.stderr, flush=True)
+    return check_prompt_lengths(cfg, model_path, rows, renderer=renderer)
+
+
+def row_functions(reward: RewardConfig, row: dict[str, Any]) -> list[str]:
+    """The function each function part calls on ``row``: its ``function``, or the one its ``by_source``
+    names for the row's data_source (the lookup ``actors/reward_parts.py`` makes per row)."""
+    source = row.get(SOURCE_FIELD)
+    out = []
+    for part in reward.function_parts:
+        chosen = getattr(part, "by_source", None) or {}
+        out.append(chosen.get(source, part.function) if isinstance(source, str) else part.function)
+    return out
+
+
+def has_answer(row: dict[str, Any]) -> bool:
+    return row.get("answer") is not None and str(row["answer"]).strip() != ""
+
+
+def answer_problem(reward: RewardConfig, data: DataConfig, rows: list[dict[str, Any]], what: str) -> str | None:
+    """One line when a reward that reads ``row["answer"]`` meets rows without one, naming the field and
+    the fix and listing the columns a row has; None when every such row has an answer."""
+    missing, need = [], None
+    for i, row in enumerate(rows):
+        needs = next((f for f in row_functions(reward, row) if f in NEEDS_ANSWER), None)
+        if needs is not None and not has_answer(row):
+            missing.append(i)
+            need = need or needs
+    if not missing:
+        return None
+    row = rows[missing[0]]
+    guess = _answer_column(row)
+    return (
+        f"reward {need} needs each row's answer, but {len(missing)} of {len(rows)} rows of {what} have none "
+        f"(first: row {missing[0]}, 0-based; data.answer_field = {data.answer_field!r}); its columns are: "
+        f"{', '.join(row)}; set data.answer_field to the column holding the reference answer"
+        + (f" (e.g. data.answer_field={guess})" if guess else "")
+        + (" or drop the rows without one" if len(missing) < len(rows) else "")
+    )
+
+
+ANSWER_NAMES = ("answer", "ground_truth", "solution", "final_answer", "target", "label", "output", "response")
+
+
+def _answer_column(row: dict[str, Any]) -> str | None:
+    """A column (or a dotted path into a nested one, verl's ``reward_model.ground_truth``) that is
+    probably the answer, to name in the fix; None when no name looks like one."""
+    for name in ANSWER_NAMES:
+        for column, value in row.items():
+            if isinstance(value, dict) and name in value:
+                return f"{column}.{name}"
+            if column == name and value is not None:
+                return column
+    return None
+
+
+def check_answers(reward: RewardConfig, data: DataConfig, rows: list[dict[str, Any]], what: str = "data.prompts"):
+    """``answer_problem`` as a ``PreflightError``."""
+    problem = answer_problem(reward, data, rows, what)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -82,17 +153,27 @@ def check_context_length(max_model_len: int, model_path: str) -> None:
         )
 
 
-def prompt_lengths(model_path: str, rows: list[dict[str, Any]], data: DataConfig) -> list[int] | None:
-    """Token count of each row's prompt as the actors will send it (rendered by ``queues/templates.py``:
-    the chat template or the raw text, special tokens as the tokenizer adds them), or None when the
-    tokenizer cannot be loaded (a hub id not cached). A row the template cannot render raises here."""
+def load_renderer(model_path: str, data: DataConfig) -> PromptRenderer | None:
+    """The prompt renderer the actors will use, from the model directory or the local cache only; None
+    when the tokenizer cannot be loaded offline (a hub id not cached yet)."""
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return None
-    renderer = PromptRenderer(tokenizer, data.chat_template, data.system_prompt)
+    return PromptRenderer(tokenizer, data.chat_template, data.system_prompt)
+
+
+def prompt_lengths(
+    model_path: str, rows: list[dict[str, Any]], data: DataConfig, renderer: PromptRenderer | None = None
+) -> list[int] | None:
+    """Token count of each row's prompt as the actors will send it (rendered by ``queues/templates.py``:
+    the chat template or the raw text, special tokens as the tokenizer adds them), or None when the
+    tokenizer cannot be loaded (a hub id not cached). A row the template cannot render raises here."""
+    renderer = renderer or load_renderer(model_path, data)
+    if renderer is None:
+        return None
     lengths: list[int] = []
     for start in range(0, len(rows), TOKENIZE_CHUNK):
         lengths.extend(len(ids) for ids in renderer.token_ids_many(rows[start : start + TOKENIZE_CHUNK]))
@@ -100,7 +181,11 @@ def prompt_lengths(model_path: str, rows: list[dict[str, Any]], data: DataConfig
 
 
 def check_prompt_lengths(
-    cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]], what: str = "data.prompts"
+    cfg: TandemConfig,
+    model_path: str,
+    rows: list[dict[str, Any]],
+    what: str = "data.prompts",
+    renderer: PromptRenderer | None = None,
 ) -> list[dict[str, Any]]:
     """Each prompt must leave ``rollout.max_tokens`` in ``engine.max_model_len``; with ``data.skip_long_prompts``
     the rows that do not are dropped and counted instead. Returns the rows kept."""
@@ -108,7 +193,7 @@ def check_prompt_lengths(
     limit = max_model_len - max_tokens  # the config rule keeps this >= 1
     if not rows:
         return rows
-    lengths = prompt_lengths(model_path, rows, cfg.data)
+    lengths = prompt_lengths(model_path, rows, cfg.data, renderer)
     if lengths is None:
         return rows
     too_long = [i for i, n in enumerate(lengths) if n > limit]

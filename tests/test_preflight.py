@@ -89,7 +89,14 @@ def test_special_tokens_the_tokenizer_adds_count_towards_the_prompt(tiny_model_d
 
 
 def test_skip_long_prompts_drops_and_counts_them(tiny_model_dir, tmp_path, capsys):
-    cfg = config(tmp_path, "engine.max_model_len=64", "rollout.max_tokens=16", "data.skip_long_prompts=true")
+    # data.chat_template=none: raw text asked for, so the only line printed is the skip count
+    cfg = config(
+        tmp_path,
+        "engine.max_model_len=64",
+        "rollout.max_tokens=16",
+        "data.skip_long_prompts=true",
+        "data.chat_template=none",
+    )
     rows = rows_of(49, 5, 200, 48, 1)
     kept = preflight(cfg, tiny_model_dir, rows)
     assert kept == [rows[1], rows[3], rows[4]]  # the rows that fit, in their order
