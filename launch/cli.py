@@ -6,7 +6,8 @@ tandem train --resume RUN_DIR [key=value]     continue a run from its newest int
 tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
 tandem eval --model DIR --config F [k=v]      evaluate a saved model on the config's held-out set
 tandem example math [key=value ...]           warm-start a tiny chat model, GRPO with math-verify, eval
-tandem tiny-model DIR                         build the tiny test model + tokenizer in DIR
+tandem tiny-model DIR [--chat]                build the tiny test model + tokenizer in DIR (--chat: byte-level, ChatML)
+tandem check-data --config F [-n N] [k=v]     show N prompts as the sampler gets them, their gold/wrong rewards
 tandem config-reference                       print every config key (Markdown)
 tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
 tandem submit --config F --address ADDR       run training as a Ray job on a running cluster
@@ -179,6 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. learner.lr=3e-4)")
     tiny = sub.add_parser("tiny-model", help="build the tiny random-init Qwen2 model and tokenizer")
     tiny.add_argument("dir")
+    tiny.add_argument(
+        "--chat",
+        action="store_true",
+        help="a byte-level tokenizer that round-trips any text, ChatML chat template, <|im_end|> as EOS",
+    )
+    cd = sub.add_parser("check-data", help="show prompts as the sampler gets them and their answers' rewards")
+    cd.add_argument("--config", action="append", required=True, help="YAML config (several merge in order)")
+    cd.add_argument("-n", type=int, default=3, help="rows to show and score (default 3)")
+    cd.add_argument("overrides", nargs="*", help="config overrides, key=value")
     sub.add_parser("config-reference", help="print the config reference (Markdown)")
     ex = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
     ex.add_argument("run_dir")
@@ -213,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout,
             )
             return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
+        if args.command == "check-data":  # before any Ray or vLLM: it imports neither
+            from launch.check_data import check_data
+
+            return check_data(args.config, args.overrides, args.n)
         if args.command == "tiny-model":
             from actors.tiny_model import build_tiny_model
 
-            print(build_tiny_model(args.dir))
+            print(build_tiny_model(args.dir, chat=args.chat))
             return 0
         if args.command == "export":
             from launch.export import export_model
