@@ -80,8 +80,9 @@ def _check(cfg: TandemConfig, n: int, say: Callable[[str], None]) -> Findings:
         check_context_length(cfg.engine.max_model_len, model_path)
     except ValueError as exc:
         found.problems.append(str(exc))
-    if problem := answer_problem(cfg.reward, cfg.data, rows, "data.prompts"):
-        found.problems.append(problem)
+    for what, part in (("data.prompts", rows), ("the held-out set", held)):
+        if problem := answer_problem(cfg.reward, cfg.data, part, what):
+            found.problems.append(problem)
     renderer = load_renderer(model_path, cfg.data)
     if renderer is None:
         say("template: unknown (the tokenizer is not in the local cache; prompts are shown as rows, uncounted)")

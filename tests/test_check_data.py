@@ -92,6 +92,9 @@ def test_rows_without_an_answer_fail_naming_the_field_and_the_columns(tmp_path, 
     assert problem.endswith(
         "set data.answer_field to the column holding the reference answer (e.g. data.answer_field=solution)"
     )
+    # The held-out rows are checked too (a run scores them with the same reward).
+    code, out, _ = run_check(capsys, write_config(tmp_path, chat_model, rows), "eval.fraction=0.25", n=0)
+    assert code == 1 and "1 of 1 rows of the held-out set have none" in out and "3 of 3 rows of data.prompts" in out
     # The same rows with the answer mapped pass.
     assert run_check(capsys, write_config(tmp_path, chat_model, rows), "data.answer_field=solution", n=1)[0] == 0
 
