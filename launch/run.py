@@ -142,7 +142,7 @@ def run_training(
     from launch.build import prepare_model
     from launch.checkpoints import CheckpointError, CheckpointStore
     from launch.data import load_run_rows
-    from launch.preflight import check_prompt_lengths, preflight
+    from launch.preflight import check_answers, check_prompt_lengths, preflight
     from launch.run_dir import RunLog, format_seconds, startup_phases
     from launch.saving import Resume, check_resumable
     from launch.stopping import StopRequest
@@ -169,6 +169,7 @@ def run_training(
     rows, eval_rows = load_run_rows(cfg, tell)
     model_path = prepare_model(cfg.model)
     rows = preflight(cfg, model_path, rows)
+    check_answers(cfg.reward, cfg.data, eval_rows, "the held-out set")
     eval_rows = check_prompt_lengths(cfg, model_path, eval_rows, "the held-out set")
     dumped = cfg.model_dump(mode="json")
     resume = None
