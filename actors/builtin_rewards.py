@@ -6,9 +6,14 @@ names a task's own reward. Each entry of ``BUILTIN_REWARDS`` builds its function
 
 ``builtin:math`` follows the usual verifiable-reward recipe (DeepSeek-R1, open-r1): the final answer
 of the completion is compared *symbolically* with the row's ``answer`` by the ``math-verify`` library
-(``parse`` then ``verify``), 1.0 if equal, else 0.0. math-verify times its own parsing and comparison
-with ``signal.alarm``, which works only in a process's main thread: these functions run in the main
-thread of the reward workers (``actors/reward_pool.py``), never on an actor's event loop.
+(``parse`` then ``verify``), 1.0 if equal, else 0.0. The final answer is, in order: the last
+``\\boxed{}``; else the number after the last ``####`` (GSM8K's form, as lm-evaluation-harness's
+gsm8k "strict-match" reads it); else an anchored "the answer is ..."; and with
+``reward.math_extraction = flexible`` else the last number of the text (its "flexible-extract").
+A box wins over a later ``####``: a completion that boxes an answer has said which one it means.
+math-verify times its own parsing and comparison with ``signal.alarm``, which works only in a
+process's main thread: these functions run in the main thread of the reward workers
+(``actors/reward_pool.py``), never on an actor's event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ RewardFn = Callable[..., Any]
 BOXED = "\\boxed"
 THINK_END = "</think>"
 GSM8K_MARK = "####"
+# lm-evaluation-harness gsm8k strict-match, "#### (\-?[0-9\.\,]+)", also taking "####$6" and "####6"
+STRICT_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9.,]+)")
+# a number, thousands grouped or not: the flexible mode's candidates (the last one counts)
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 @lru_cache(maxsize=1)
@@ -73,20 +82,56 @@ def parse_gold(answer: Any) -> list:
     return gold
 
 
-def matches(gold: list, completion: str) -> float:
-    """1.0 when the completion's final answer equals the parsed ``gold`` symbolically, else 0.0."""
-    from math_verify import parse, verify
+def _number(text: str) -> str:
+    """A matched number as math: thousands commas and a sentence's final period dropped ("1,234." -> 1234)."""
+    return f"${text.replace(',', '').rstrip('.')}$"
 
-    predicted = parse(final_answer_text(completion), extraction_config=_answer_configs())
+
+def strict_answer(completion: str) -> list:
+    """The completion's final answer parsed by math-verify: the last box, else the number after the last
+    ``####``, else an anchored final answer; ``[]`` when there is none."""
+    from math_verify import parse
+
+    text = final_answer_text(completion)
+    if BOXED not in text:
+        marked = STRICT_ANSWER.findall(text)
+        if marked:
+            return parse(_number(marked[-1]), extraction_mode="first_match")
+    return parse(text, extraction_config=_answer_configs())
+
+
+def flexible_answer(completion: str) -> list:
+    """``strict_answer``, else the last number after the thinking ("so she has 6 apples." -> 6)."""
+    from math_verify import parse
+
+    predicted = strict_answer(completion)
+    if predicted:
+        return predicted
+    numbers = NUMBER.findall(completion.rsplit(THINK_END, 1)[-1])
+    return parse(_number(numbers[-1]), extraction_mode="first_match") if numbers else []
+
+
+# reward.math_extraction -> how a completion's final answer is found; chosen once, when the reward is built
+MATH_EXTRACTIONS: dict[str, Callable[[str], list]] = {"strict": strict_answer, "flexible": flexible_answer}
+
+
+def matches(gold: list, completion: str, extract: Callable[[str], list] = strict_answer) -> float:
+    """1.0 when the completion's final answer (found by ``extract``) equals the parsed ``gold``
+    symbolically, else 0.0."""
+    from math_verify import verify
+
+    predicted = extract(completion)
     return float(bool(predicted) and verify(gold, predicted))
 
 
-def math_score(answer: Any, completion: str) -> float:
+def math_score(answer: Any, completion: str, extraction: str = "strict") -> float:
     """``builtin:math`` of one completion against ``answer``."""
-    return matches(parse_gold(answer), completion)
+    return matches(parse_gold(answer), completion, MATH_EXTRACTIONS[extraction])
 
 
 def build_math(cfg: RewardConfig) -> RewardFn:
+    extract = MATH_EXTRACTIONS[cfg.math_extraction]
+
     def math_reward(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
         """Batched: the G completions of a prompt share its row, so its answer is parsed once."""
         golds: dict[str, list] = {}
@@ -97,7 +142,7 @@ def build_math(cfg: RewardConfig) -> RewardFn:
             key = str(row["answer"])
             if key not in golds:
                 golds[key] = parse_gold(row["answer"])
-            out.append(matches(golds[key], completion))
+            out.append(matches(golds[key], completion, extract))
         return out
 
     math_reward.batched = True

@@ -12,6 +12,7 @@ from queues.config import Section
 
 DEFAULT_FORMAT_PATTERN = r"\s*<think>.+?</think>\s*\S.*"
 MODEL_PART = "model"  # the reward.functions entry whose scores come from reward.model's actors
+BY_SOURCE_PART = "by_source"  # the metrics name of a part whose function is chosen per row's data_source
 
 
 class RewardFunctionConfig(Section):
@@ -23,16 +24,30 @@ class RewardFunctionConfig(Section):
     name: str | None = Field(
         None,
         description="Name of the part in the step metrics (reward/<name>); default: the function's name "
-        "('builtin:math' -> math, 'file.py:fn' -> fn).",
+        "('builtin:math' -> math, 'file.py:fn' -> fn), or 'by_source' when by_source is set.",
+    )
+    by_source: dict[str, str] | None = Field(
+        None,
+        description="This part's function per row data_source (verl's column), {source: function}; rows of a "
+        "source not listed, or without a data_source, use 'function'.",
     )
 
     @property
     def part_name(self) -> str:
-        return self.name or self.function.rpartition(":")[2] or self.function
+        if self.name:
+            return self.name
+        if self.by_source:  # the value comes from several functions: no one function's name is true of it
+            return BY_SOURCE_PART
+        return self.function.rpartition(":")[2] or self.function
 
     @property
     def is_model(self) -> bool:
         return self.function == MODEL_PART
+
+    @property
+    def specs(self) -> list[str]:
+        """Every function this part may call: ``function``, then the by_source ones (each once)."""
+        return list(dict.fromkeys([self.function, *(self.by_source or {}).values()]))
 
 
 class RewardModelConfig(Section):
@@ -56,8 +71,21 @@ class RewardConfig(Section):
     )
     functions: list[RewardFunctionConfig] | None = Field(
         None,
-        description="A weighted sum of reward functions, [{function, weight, name}, ...]; each part is logged on "
-        "its own as reward/<name>. Set this or reward.function.",
+        description="A weighted sum of reward functions, [{function, weight, name, by_source}, ...]; each part is "
+        "logged on its own as reward/<name>. Set this or reward.function.",
+    )
+    by_source: dict[str, str] | None = Field(
+        None,
+        description="reward.function per row data_source (verl's column), {source: function}, e.g. "
+        "{openai/gsm8k: builtin:math, my_code: rewards.py:run_tests}; rows of a source not listed use "
+        "reward.function. The part is logged as reward/by_source. With reward.functions, give by_source on the "
+        "entry it applies to instead.",
+    )
+    math_extraction: Literal["strict", "flexible"] = Field(
+        "strict",
+        description="How builtin:math finds a completion's final answer. strict: the last \\boxed{}, else the "
+        "number after the last '####' (GSM8K's form, lm-eval's strict-match), else an anchored 'the answer is "
+        "...'. flexible: as strict, then the last number of the text (lm-eval's flexible-extract).",
     )
     format_pattern: str = Field(
         DEFAULT_FORMAT_PATTERN,
@@ -102,6 +130,20 @@ class RewardConfig(Section):
             repeated = sorted({n for n in names if names.count(n) > 1})
             if repeated:
                 raise ValueError(f"reward.functions has two parts named {repeated[0]!r}; give them distinct 'name's")
+        if self.by_source is not None and self.functions is not None:
+            raise ValueError(
+                "reward.by_source chooses reward.function per data_source; with reward.functions put by_source "
+                "on the entry it applies to ([{function, by_source: {source: function}}, ...])"
+            )
+        for part in self.parts:
+            if part.by_source is None:
+                continue
+            if not part.by_source:
+                raise ValueError(f"by_source of {part.function!r} is empty; map a data_source to a function")
+            if part.is_model or MODEL_PART in part.by_source.values():
+                raise ValueError(
+                    "the reward model ('model') cannot be chosen by data_source; give it its own reward.functions entry"
+                )
         models = [p for p in self.parts if p.is_model]
         if len(models) > 1:
             raise ValueError("reward.functions names the reward model ('model') twice; list it once")
@@ -120,7 +162,9 @@ class RewardConfig(Section):
     @property
     def parts(self) -> list[RewardFunctionConfig]:
         """The reward's parts: ``functions``, or ``function`` as one part of weight 1."""
-        return list(self.functions) if self.functions is not None else [RewardFunctionConfig(function=self.function)]
+        if self.functions is not None:
+            return list(self.functions)
+        return [RewardFunctionConfig(function=self.function, by_source=self.by_source)]
 
     @property
     def function_parts(self) -> list[RewardFunctionConfig]:

@@ -4,9 +4,11 @@
 once into a ``RewardPart`` whose calling convention is chosen at load time: a function with an
 attribute ``batched = True`` is called once per group as ``fn(prompts, completions, rows) ->
 list[float]`` (the convention of TRL's reward functions), any other once per sample as
-``fn(prompt, completion, row) -> float``. ``score_call`` returns every part's raw value per sample;
-the weights are applied by the actor (``actors/reward_scorer.py``), which also adds the reward
-model's part.
+``fn(prompt, completion, row) -> float``. A part with ``by_source`` (``reward.by_source``, or on a
+``reward.functions`` entry) loads each of its functions once and picks one per row by the row's
+``data_source`` (verl's column) with a dict lookup; a source not listed uses the part's ``function``.
+``score_call`` returns every part's raw value per sample; the weights are applied by the actor
+(``actors/reward_scorer.py``), which also adds the reward model's part.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from actors.rewards import as_reward, load_reward_function, score, score_steps
 
 # (reward, step rewards or None, error or None) of one sample under one part
 PartResult = tuple[float, list[float] | None, str | None]
+PartCall = Callable[[list[str], list[str], list[dict], bool], list[PartResult]]
+SOURCE_FIELD = "data_source"  # verl's column naming the data set a row comes from
 
 
 @dataclass
@@ -36,10 +40,10 @@ class RewardPart:
 
     name: str
     weight: float
-    call: Callable[[list[str], list[str], list[dict], bool], list[PartResult]]
+    call: PartCall
 
 
-def _batched(fn) -> Callable[[list[str], list[str], list[dict], bool], list[PartResult]]:
+def _batched(fn) -> PartCall:
     def call(prompts: list[str], completions: list[str], rows: list[dict], steps: bool) -> list[PartResult]:
         n = len(completions)
         try:
@@ -54,7 +58,7 @@ def _batched(fn) -> Callable[[list[str], list[str], list[dict], bool], list[Part
     return call
 
 
-def _per_sample(fn) -> Callable[[list[str], list[str], list[dict], bool], list[PartResult]]:
+def _per_sample(fn) -> PartCall:
     def call(prompts: list[str], completions: list[str], rows: list[dict], steps: bool) -> list[PartResult]:
         if steps:
             return [score_steps(fn, p, c, r) for p, c, r in zip(prompts, completions, rows, strict=True)]
@@ -73,13 +77,39 @@ def _checked(result: PartResult, steps: bool) -> PartResult:
     return result
 
 
+def _by_source(default: PartCall, by_source: dict[str, PartCall]) -> PartCall:
+    """One part whose function is chosen per row by its ``data_source``: the rows of each function are
+    scored in one call (a batched function still sees a whole group of one source at once)."""
+
+    def call(prompts: list[str], completions: list[str], rows: list[dict], steps: bool) -> list[PartResult]:
+        chosen: dict[PartCall, list[int]] = {}  # function -> the indices of its rows, in order
+        for i, row in enumerate(rows):
+            source = row.get(SOURCE_FIELD)
+            fn = by_source.get(source, default) if isinstance(source, str) else default  # unhashable: default
+            chosen.setdefault(fn, []).append(i)
+        out: list[PartResult] = [(0.0, None, None)] * len(completions)
+        for fn, index in chosen.items():
+            results = fn([prompts[i] for i in index], [completions[i] for i in index], [rows[i] for i in index], steps)
+            for i, result in zip(index, results, strict=True):
+                out[i] = result
+        return out
+
+    return call
+
+
 def load_parts(cfg: RewardConfig) -> list[RewardPart]:
-    """Every function part of ``cfg`` loaded (``RewardSpecError`` for one that does not load); the reward
-    model's part is not a function and is scored by its own actors."""
+    """Every function part of ``cfg`` loaded (``RewardSpecError`` for one that does not load), each
+    function once however many parts or sources name it; the reward model's part is not a function and
+    is scored by its own actors."""
+    loaded: dict[str, PartCall] = {}
+    for spec in dict.fromkeys(spec for part in cfg.function_parts for spec in part.specs):
+        fn = load_reward_function(spec, cfg)
+        loaded[spec] = _batched(fn) if getattr(fn, "batched", False) is True else _per_sample(fn)
     out = []
     for part in cfg.function_parts:
-        fn = load_reward_function(part.function, cfg)
-        call = _batched(fn) if getattr(fn, "batched", False) is True else _per_sample(fn)
+        call = loaded[part.function]
+        if part.by_source:
+            call = _by_source(call, {source: loaded[spec] for source, spec in part.by_source.items()})
         out.append(RewardPart(part.part_name, part.weight, call))
     return out
 

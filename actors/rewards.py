@@ -124,10 +124,10 @@ def check_reward_function(spec: str, timeout_s: float) -> None:
 
 
 def check_rewards(cfg: RewardConfig) -> None:
-    """``check_reward_function`` on every function part of the reward, and that a local ``reward.model.path``
-    is a model directory (the model itself loads as its actor starts)."""
-    for part in cfg.function_parts:
-        check_reward_function(part.function, cfg.import_timeout_s)
+    """``check_reward_function`` on every function of the reward (each part's, and those its ``by_source``
+    names), and that a local ``reward.model.path`` is a model directory (the model loads as its actor starts)."""
+    for spec in dict.fromkeys(spec for part in cfg.function_parts for spec in part.specs):
+        check_reward_function(spec, cfg.import_timeout_s)
     if cfg.model is not None:
         path = Path(cfg.model.path).expanduser()
         local = path.exists() or cfg.model.path.startswith((".", "/", "~")) or cfg.model.path.count("/") > 1

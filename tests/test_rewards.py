@@ -37,6 +37,44 @@ def test_builtin_math_compares_the_final_answer_symbolically(answer, completion,
     assert math_score(answer, completion) == expected
 
 
+GSM8K_GOLD = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+# (gold, completion, strict, flexible): GSM8K's "#### n" form, as lm-eval's strict-match / flexible-extract read it
+GSM8K_CASES = [
+    ("6", "She has 2 + 4 = 6.\n#### 6", 1.0, 1.0),
+    (GSM8K_GOLD, "24 in May, 48 + 24 = 72 in all.\n#### 72", 1.0, 1.0),  # the gold's own #### too
+    ("6", "#### 7", 0.0, 0.0),
+    ("6", "#### 6.", 1.0, 1.0),  # a sentence's period is not part of the number
+    ("1234", "#### 1,234", 1.0, 1.0),  # thousands commas dropped
+    ("1,234", "#### 1234", 1.0, 1.0),
+    ("-3", "####-3", 1.0, 1.0),
+    ("6", "#### 5 no, recount\n#### 6", 1.0, 1.0),  # the last #### counts
+    ("6", "<think>#### 6</think>\n#### 7", 0.0, 0.0),  # only what follows the thinking
+    ("5", r"I box \boxed{5} but end with #### 6", 1.0, 1.0),  # a box wins over a later ####
+    ("6", r"I box \boxed{5} but end with #### 6", 0.0, 0.0),
+    ("6", "so she has 6 apples.", 0.0, 1.0),  # a bare number: flexible only (its last number)
+    ("6", "6 apples, then 2 more: 8 apples.", 0.0, 0.0),  # flexible takes the last number, 8
+    ("1234", "she pays 1,234.", 0.0, 1.0),
+    ("6", "no number here", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("gold,completion,strict,flexible", GSM8K_CASES)
+def test_builtin_math_reads_gsm8k_final_answers_strict_and_flexible(gold, completion, strict, flexible):
+    assert math_score(gold, completion) == strict
+    assert math_score(gold, completion, "flexible") == flexible
+
+
+def test_reward_math_extraction_chooses_the_mode_of_the_loaded_function():
+    rows = [{"answer": GSM8K_GOLD}] * 3
+    completions = ["#### 72", "so 72 clips.", r"\boxed{72}"]
+    strict = load_reward_function("builtin:math", RewardConfig(function="builtin:math"))
+    flexible = load_reward_function("builtin:math", RewardConfig(function="builtin:math", math_extraction="flexible"))
+    assert strict(["p"] * 3, completions, rows) == [1.0, 0.0, 1.0]
+    assert flexible(["p"] * 3, completions, rows) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="math_extraction"):
+        RewardConfig(function="builtin:math", math_extraction="loose")
+
+
 def test_math_reads_the_gold_and_the_final_answer_from_the_right_place():
     assert gold_text("He has 3 + 15 = 18 apples.\n#### 18") == "$18$"
     assert gold_text(r"$\frac{1}{2}$") == r"$\frac{1}{2}$"
