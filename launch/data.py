@@ -1,8 +1,10 @@
 """The run's prompt rows: the training set and the held-out evaluation set, read before anything starts.
 
 ``data.prompts`` is a built-in task (``actors/tasks.py``) or anything ``queues/sources.py`` reads;
-``eval.prompts`` takes the same forms, with the same column mapping, or ``eval.fraction`` holds a
-seeded share of the training rows out. Rows dropped as unusable are counted and named here.
+``eval.prompts`` takes the same forms, with the same column mapping (``eval.prompt_field`` /
+``eval.answer_field`` may be dotted paths too), or ``eval.fraction`` holds a seeded share of the
+training rows out. Rows dropped as unusable are counted and named here, and a ``by_source`` entry
+that no row's ``data_source`` matches (a misspelt source silently scores with the default) is said.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from actors.reward_parts import SOURCE_FIELD
 from launch.config import TandemConfig
 from queues.config import DataConfig
 from queues.prompts import DatasetError
 from queues.sources import Fields, read_rows, split_holdout
 
 Rows = list[dict[str, Any]]
+NAMED_SOURCES = 10  # data_sources named when a by_source entry matches none
 
 
 def fields_of(data: DataConfig) -> Fields:
@@ -63,4 +67,22 @@ def load_run_rows(cfg: TandemConfig, say: Callable[[str], None]) -> tuple[Rows, 
         rows, held = split_holdout(rows, ev.fraction, cfg.run.seed)
     if ev.max_prompts is not None:
         held = held[: ev.max_prompts]
+    line = unmatched_sources(cfg, rows + held)
+    if line:
+        say(line)
     return rows, held
+
+
+def unmatched_sources(cfg: TandemConfig, rows: Rows) -> str | None:
+    """One line naming the ``by_source`` data_sources that no row has, with the ones the rows do have."""
+    listed = {source for part in cfg.reward.parts for source in (part.by_source or {})}
+    found = {source for row in rows if isinstance(source := row.get(SOURCE_FIELD), str)}
+    missing = sorted(listed - found)
+    if not missing:
+        return None
+    shown = sorted(found)[:NAMED_SOURCES]
+    have = ", ".join(shown) + (", ..." if len(found) > len(shown) else "") if found else "none (no data_source)"
+    return (
+        f"by_source of the reward lists data_source {', '.join(map(repr, missing))}, which no row has (check the "
+        f"spelling: a row whose source is not listed scores with the default function); the rows have: {have}"
+    )
