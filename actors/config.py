@@ -13,6 +13,7 @@ from queues.config import Section
 DEFAULT_FORMAT_PATTERN = r"\s*<think>.+?</think>\s*\S.*"
 MODEL_PART = "model"  # the reward.functions entry whose scores come from reward.model's actors
 BY_SOURCE_PART = "by_source"  # the metrics name of a part whose function is chosen per row's data_source
+SOURCE_FIELD = "data_source"  # verl's column naming the data set a row comes from: what by_source keys on
 
 
 class RewardFunctionConfig(Section):
@@ -48,6 +49,14 @@ class RewardFunctionConfig(Section):
     def specs(self) -> list[str]:
         """Every function this part may call: ``function``, then the by_source ones (each once)."""
         return list(dict.fromkeys([self.function, *(self.by_source or {}).values()]))
+
+    def function_for(self, row: dict) -> str:
+        """The function this part calls on ``row``: the one ``by_source`` names for its data_source, else
+        ``function`` (a source not listed, no data_source, or one that is not a string)."""
+        source = row.get(SOURCE_FIELD)
+        if not self.by_source or not isinstance(source, str):
+            return self.function
+        return self.by_source.get(source, self.function)
 
 
 class RewardModelConfig(Section):

@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.config import RewardConfig
+from actors.config import RewardConfig, RewardFunctionConfig
 from actors.rewards import as_reward, load_reward_function, score, score_steps
 
 # (reward, step rewards or None, error or None) of one sample under one part
 PartResult = tuple[float, list[float] | None, str | None]
 PartCall = Callable[[list[str], list[str], list[dict], bool], list[PartResult]]
-SOURCE_FIELD = "data_source"  # verl's column naming the data set a row comes from
 
 
 @dataclass
@@ -77,18 +76,17 @@ def _checked(result: PartResult, steps: bool) -> PartResult:
     return result
 
 
-def _by_source(default: PartCall, by_source: dict[str, PartCall]) -> PartCall:
-    """One part whose function is chosen per row by its ``data_source``: the rows of each function are
-    scored in one call (a batched function still sees a whole group of one source at once)."""
+def _by_source(part: RewardFunctionConfig, loaded: dict[str, PartCall]) -> PartCall:
+    """One part whose function is chosen per row by its ``data_source`` (``part.function_for``): the rows
+    of each function are scored in one call (a batched function still sees a whole group of one source)."""
 
     def call(prompts: list[str], completions: list[str], rows: list[dict], steps: bool) -> list[PartResult]:
-        chosen: dict[PartCall, list[int]] = {}  # function -> the indices of its rows, in order
+        chosen: dict[str, list[int]] = {}  # function -> the indices of its rows, in order
         for i, row in enumerate(rows):
-            source = row.get(SOURCE_FIELD)
-            fn = by_source.get(source, default) if isinstance(source, str) else default  # unhashable: default
-            chosen.setdefault(fn, []).append(i)
+            chosen.setdefault(part.function_for(row), []).append(i)
         out: list[PartResult] = [(0.0, None, None)] * len(completions)
-        for fn, index in chosen.items():
+        for spec, index in chosen.items():
+            fn = loaded[spec]
             results = fn([prompts[i] for i in index], [completions[i] for i in index], [rows[i] for i in index], steps)
             for i, result in zip(index, results, strict=True):
                 out[i] = result
@@ -107,9 +105,7 @@ def load_parts(cfg: RewardConfig) -> list[RewardPart]:
         loaded[spec] = _batched(fn) if getattr(fn, "batched", False) is True else _per_sample(fn)
     out = []
     for part in cfg.function_parts:
-        call = loaded[part.function]
-        if part.by_source:
-            call = _by_source(call, {source: loaded[spec] for source, spec in part.by_source.items()})
+        call = _by_source(part, loaded) if part.by_source else loaded[part.function]
         out.append(RewardPart(part.part_name, part.weight, call))
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from actors.reward_parts import SOURCE_FIELD
+from actors.config import SOURCE_FIELD
 from launch.config import TandemConfig
 from queues.config import DataConfig
 from queues.prompts import DatasetError

@@ -28,7 +28,6 @@ TOKENIZE_CHUNK = 4096  # rows per tokenizer call: batched (fast) without holding
 # Rewards known to read row["answer"]: without it every one of their calls fails (after start-up, steps
 # of zero reward). A user's function may need it too, but only its own code can say so.
 NEEDS_ANSWER = ("builtin:math",)
-SOURCE_FIELD = "data_source"  # verl's column, by which actors/reward_parts.py picks a by_source function
 
 
 class PreflightError(ValueError):
@@ -50,14 +49,8 @@ def preflight(cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]]) ->
 
 
 def row_functions(reward: RewardConfig, row: dict[str, Any]) -> list[str]:
-    """The function each function part calls on ``row``: its ``function``, or the one its ``by_source``
-    names for the row's data_source (the lookup ``actors/reward_parts.py`` makes per row)."""
-    source = row.get(SOURCE_FIELD)
-    out = []
-    for part in reward.function_parts:
-        chosen = getattr(part, "by_source", None) or {}
-        out.append(chosen.get(source, part.function) if isinstance(source, str) else part.function)
-    return out
+    """The function each function part calls on ``row`` (the choice the reward workers make)."""
+    return [part.function_for(row) for part in reward.function_parts]
 
 
 def has_answer(row: dict[str, Any]) -> bool:
