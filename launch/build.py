@@ -232,6 +232,7 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
         total_updates=cfg.run.steps * cfg.algorithm.updates_per_batch,
         timeline=cfg.run.timeline,
         temperature=cfg.rollout.temperature,
+        min_tokens=cfg.rollout.min_tokens,
     )
     setups = [w.setup.remote(master_addr, master_port, spec) for w in workers]
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)

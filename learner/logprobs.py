@@ -21,6 +21,11 @@ distribution's log-probs, so the learner scores the same one, ``z -> z / tau`` c
 (no second ``[N, V]`` tensor), and the gradient carries the factor:
 
     d log pi_tau(y_i) / d z_{i, v} = (1[v = y_i] - p_tau_{i, v}) / tau
+
+``rollout.min_tokens``: the sampler cannot stop before it, because the engine sets the stop tokens'
+logits to -inf at those positions before sampling (and before it reports log-probs). ``banned``
+(``[N]`` bool, the positions before ``min_tokens``) and ``stop_ids`` do the same here, so the
+distribution scored is the one sampled: ``pi(y) = softmax(z / tau with z_stop = -inf)``.
 """
 
 from __future__ import annotations
@@ -29,18 +34,29 @@ import torch
 from torch import Tensor
 
 
+def _scaled(logits: Tensor, start: int, end: int, temperature: float, ban: tuple[Tensor, Tensor] | None) -> Tensor:
+    """fp32 ``z / tau`` of rows ``start:end``, with the stop tokens at -inf where they were banned."""
+    z = logits[start:end].float() / temperature  # z / tau
+    if ban is not None:
+        banned, stop_ids = ban
+        rows = banned[start:end].nonzero().squeeze(1)  # [r] positions before min_tokens in this chunk
+        if rows.numel():
+            z[rows[:, None], stop_ids[None, :]] = float("-inf")  # z_stop = -inf: the sampler could not stop
+    return z
+
+
 class _ChunkedTokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, ids: Tensor, chunk: int, temperature: float) -> Tensor:
+    def forward(ctx, logits: Tensor, ids: Tensor, chunk: int, temperature: float, ban) -> Tensor:
         out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for start in range(0, logits.size(0), chunk):
-            z = logits[start : start + chunk].float() / temperature  # z / tau
+            z = _scaled(logits, start, start + chunk, temperature, ban)
             lse[start : start + chunk] = torch.logsumexp(z, dim=-1)
             picked = z.gather(1, ids[start : start + chunk, None]).squeeze(1)
             out[start : start + chunk] = picked - lse[start : start + chunk]  # log pi_tau(y) = z_y/tau - lse(z/tau)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.ban = chunk, temperature, ban
         return out
 
     @staticmethod
@@ -51,29 +67,41 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         for start in range(0, logits.size(0), ctx.chunk):
             end = start + ctx.chunk
             scaled = grad[start:end, None] / tau  # grad / tau
-            g = logits[start:end].float() / tau - lse[start:end, None]  # one [c, V] buffer, worked in place:
-            g.exp_().mul_(-scaled)  # -p_tau * grad / tau
+            g = _scaled(logits, start, end, tau, ctx.ban) - lse[start:end, None]  # one [c, V] buffer, in place:
+            g.exp_().mul_(-scaled)  # -p_tau * grad / tau (0 on banned stop tokens)
             g.scatter_add_(1, ids[start:end, None], scaled)  # + 1[v = y] * grad / tau
             grad_logits[start:end] = g
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def token_logprobs(logits: Tensor, ids: Tensor, chunk: int = 1024, temperature: float = 1.0) -> Tensor:
+def token_logprobs(
+    logits: Tensor,
+    ids: Tensor,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+    ban: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """``[N]`` fp32 ``log pi_tau(ids_i)`` from ``[N, V]`` logits, ``pi_tau = softmax(z / temperature)``,
     ``chunk`` rows at a time (see above); differentiable with respect to ``logits``. ``chunk <= 0``:
-    all rows at once."""
+    all rows at once. ``ban``: ``([N] bool, [S] stop token ids)``: those tokens cannot be sampled at
+    those positions (``rollout.min_tokens``)."""
     if logits.size(0) == 0:
         return logits.new_zeros(0, dtype=torch.float32)
-    return _ChunkedTokenLogprob.apply(logits, ids, chunk if chunk > 0 else logits.size(0), float(temperature))
+    step = chunk if chunk > 0 else logits.size(0)
+    return _ChunkedTokenLogprob.apply(logits, ids, step, float(temperature), ban)
 
 
 @torch.no_grad()
-def token_entropy(logits: Tensor, chunk: int = 1024, temperature: float = 1.0) -> Tensor:
-    """``[N]`` fp32 entropy of each row's ``softmax(z / temperature)``, ``chunk`` rows at a time (no gradient)."""
+def token_entropy(
+    logits: Tensor, chunk: int = 1024, temperature: float = 1.0, ban: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """``[N]`` fp32 entropy of each row's ``softmax(z / temperature)`` (banned stop tokens excluded, as
+    in ``token_logprobs``), ``chunk`` rows at a time (no gradient)."""
     out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
     step = chunk if chunk > 0 else max(logits.size(0), 1)
     for start in range(0, logits.size(0), step):
-        z = logits[start : start + step].float() / temperature
+        z = _scaled(logits, start, start + step, temperature, ban)
         lse = torch.logsumexp(z, dim=-1)
-        out[start : start + step] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        p = torch.softmax(z, dim=-1)
+        out[start : start + step] = lse - (p * z.masked_fill(p == 0, 0.0)).sum(-1)  # 0 * -inf counts 0
     return out

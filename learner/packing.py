@@ -336,10 +336,13 @@ def packed_completion_logprobs(
     with_entropy: bool = False,
     chunk: int = 1024,
     temperature: float = 1.0,
+    min_tokens: int = 0,
+    stop_ids: tuple[int, ...] = (),
 ):
     """log pi(token) of every completion token: ``[n, T]`` (and the entropy ``[n, T]`` of each
     predicting distribution when ``with_entropy``), zero on padding and where ``mask`` is 0.
-    ``pi = softmax(logits / temperature)``: the distribution the actors sampled from.
+    ``pi = softmax(logits / temperature)``, with ``stop_ids`` impossible at the first ``min_tokens``
+    completion positions: the distribution the actors sampled from.
 
     ``logits`` is ``[R, Lr, V]`` (the full rows) or ``[1, N, V]`` (the model was called with
     ``logits_to_keep=batch.logit_positions``). The log-softmax runs over the N predicting
@@ -354,10 +357,14 @@ def packed_completion_logprobs(
         picked = logits[0]  # [N, V]
     else:
         raise ValueError(f"logits cover {logits.size(1)} positions; expected L={batch.input_ids.size(1)} or N={n_keep}")
-    token_logp = token_logprobs(picked, batch.completion_ids[valid], chunk, temperature)  # [N] fp32
+    ban = None
+    if min_tokens > 0 and stop_ids:
+        position = torch.arange(valid.size(1), device=valid.device).expand_as(valid)  # [n, T] completion index
+        ban = (position[valid] < min_tokens, torch.tensor(stop_ids, device=picked.device))  # ([N], [S])
+    token_logp = token_logprobs(picked, batch.completion_ids[valid], chunk, temperature, ban)  # [N] fp32
     zeros = torch.zeros(valid.shape, dtype=token_logp.dtype, device=token_logp.device)
     keep = valid.to(zeros.dtype) if mask is None else mask.to(zeros.dtype)
     out = zeros.masked_scatter(valid, token_logp) * keep  # [n, T]
     if not with_entropy:
         return out
-    return out, (zeros.masked_scatter(valid, token_entropy(picked, chunk, temperature)) * keep)
+    return out, (zeros.masked_scatter(valid, token_entropy(picked, chunk, temperature, ban)) * keep)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,17 @@ class Models:
     reference: Any = None  # a plain module in eval mode
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """The distribution the actors sampled from, which the ranks score (old, reference and trained
+    log-probs, entropy): ``softmax(z / temperature)`` with the stop tokens impossible before
+    ``min_tokens`` (``learner/logprobs.py``)."""
+
+    temperature: float = 1.0  # rollout.temperature
+    min_tokens: int = 0  # rollout.min_tokens
+    stop_ids: tuple[int, ...] = ()  # the tokens the engine stops on: the tokenizer's EOS and the generation config's
+
+
 @dataclass
 class Layout:
     """How this rank packs: the pad token, where tensors go, the attention mask form."""
@@ -75,7 +86,7 @@ class Layout:
     mask_dtype: torch.dtype | None  # bool for sdpa, the activation dtype for eager
     row_tokens: int | None  # learner.pack_row_tokens
     logprob_chunk: int = 1024  # learner.logprob_chunk_tokens
-    temperature: float = 1.0  # rollout.temperature: log-probs of softmax(z / T), the distribution sampled
+    sampled: Sampled = field(default_factory=lambda: Sampled())  # the distribution the actors sampled from
 
 
 class RankStep:
@@ -95,8 +106,10 @@ class RankStep:
     def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False):
         logits = model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
         self.vocab = logits.shape[-1]
-        lay = self.layout
-        return packed_completion_logprobs(logits, micro, mask, with_entropy, lay.logprob_chunk, lay.temperature)
+        chunk, sampled = self.layout.logprob_chunk, self.layout.sampled
+        return packed_completion_logprobs(
+            logits, micro, mask, with_entropy, chunk, sampled.temperature, sampled.min_tokens, sampled.stop_ids
+        )
 
     def _values(self, micro: PackedInputs, mask: torch.Tensor) -> torch.Tensor:
         return packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float() * mask  # [n, T]

@@ -29,7 +29,7 @@ from learner import saving
 from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
-from learner.rank import Layout, Models, RankStep
+from learner.rank import Layout, Models, RankStep, Sampled
 from learner.schedule import lr_factor
 from learner.shard import RankShard
 
@@ -48,6 +48,7 @@ class RankSpec:
     total_updates: int = 0  # optimizer updates in the run (the schedule's decay length; 0: no decay)
     timeline: bool = True  # record spans for RUN_DIR/timeline.jsonl (run.timeline)
     temperature: float = 1.0  # rollout.temperature: the ranks score softmax(z / T), what the actors sampled
+    min_tokens: int = 0  # rollout.min_tokens: the actors could not stop before it
 
 
 def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def deepspeed_config(learner: LearnerConfig, dtype: str) -> dict[str, Any]:
 
 
 def packing_layout(
-    attention: Attention, learner: LearnerConfig, dtype: str, pad_id: int, device, temperature: float = 1.0
+    attention: Attention, learner: LearnerConfig, dtype: str, pad_id: int, device, sampled: Sampled | None = None
 ) -> Layout:
     """How a rank packs for ``attention``: varlen kernels get one row per micro-batch and no mask
     (the sequences are found from the position ids); sdpa a boolean block mask (a quarter of a
@@ -79,7 +80,21 @@ def packing_layout(
         float_mask = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         mask_dtype, row_tokens = (torch.bool if attention.mask == "bool" else float_mask), learner.pack_row_tokens
     chunk = learner.logprob_chunk_tokens
-    return Layout(pad_id, device, mask_dtype, row_tokens, logprob_chunk=chunk, temperature=temperature)
+    return Layout(pad_id, device, mask_dtype, row_tokens, logprob_chunk=chunk, sampled=sampled or Sampled())
+
+
+def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
+    """The tokens vLLM stops on, and bans before ``rollout.min_tokens``: the tokenizer's EOS and the
+    ``eos_token_id`` (one or a list) of the model's generation config, as vLLM reads them."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return tuple(sorted(ids))
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -154,8 +169,11 @@ class LearnerWorker:
         self.zero_stage = spec.learner.zero_stage
         self.policy, self.critic = models.policy, models.critic
         self.model_path = spec.model_path
-        pad_id = AutoTokenizer.from_pretrained(spec.model_path).pad_token_id or 0
-        layout = packing_layout(attention, spec.learner, spec.dtype, pad_id, device, spec.temperature)
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+        pad_id = tokenizer.pad_token_id or 0
+        stops = stop_token_ids(spec.model_path, tokenizer) if spec.min_tokens > 0 else ()
+        sampled = Sampled(spec.temperature, spec.min_tokens, stops)
+        layout = packing_layout(attention, spec.learner, spec.dtype, pad_id, device, sampled)
         self.step = RankStep(models, spec.algorithm, layout, spec.max_tokens, self.world_size)
         print(
             f"[{'learner' if models.policy else roles[0]} {self.rank}/{self.world_size}] ready: "

@@ -345,3 +345,26 @@ def test_plan_invariants_on_a_long_tail(ranks, budget, minibatches):
 def test_plan_bad_arguments_fail(args):
     with pytest.raises(ValueError):
         plan_micro_batches(*args)
+
+
+def test_min_tokens_bans_the_stop_tokens_at_the_first_completion_positions_only(models):
+    # The engine cannot sample a stop token before rollout.min_tokens: it sets their logits to -inf and
+    # reports the log-probs of what remains. With min_tokens = 2 the packed log-probs equal an unpadded
+    # log-softmax over logits whose stop ids are -inf at completion positions 0 and 1, and the plain one after.
+    model = models["sdpa"]
+    seqs = _random_seqs(SHAPES)
+    stop_ids = (7, 11)
+    with torch.no_grad():
+        batch, tokens = packed(seqs, PAD, mask_dtype=torch.bool)
+        logits = model(**batch.model_inputs()).logits
+        got = packed_completion_logprobs(logits, batch, None, min_tokens=2, stop_ids=stop_ids)  # every token
+        plain = packed_completion_logprobs(logits, batch, None)
+        for i, s in enumerate(seqs):
+            p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
+            z = model(input_ids=torch.tensor([s.prompt_token_ids + s.completion_token_ids])).logits[0, p - 1 : -1]
+            z = z.float().clone()
+            z[:2, list(stop_ids)] = float("-inf")
+            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(s.completion_token_ids)[:, None]).squeeze(1)
+            assert (got[i, :c] - ref).abs().max().item() < 1e-5, f"sequence {i}"
+            assert torch.equal(got[i, 2:c], plain[i, 2:c])  # past min_tokens nothing is banned
+    assert (got[:, :2] > plain[:, :2]).any()  # the ban moved mass to the remaining tokens

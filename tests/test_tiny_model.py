@@ -71,3 +71,19 @@ def test_eos_is_the_templates_end_of_turn_everywhere(chat_model):
     ids = tok.apply_chat_template(chat, tokenize=True)["input_ids"]
     assert ids[-2:] == [end, tok.convert_tokens_to_ids("Ċ")]
     assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id != end
+
+
+def test_the_learner_bans_the_tokens_the_engine_stops_on(tmp_path):
+    # vLLM bans its stop tokens before rollout.min_tokens: the tokenizer's EOS and the generation
+    # config's eos_token_id(s); the learner must ban the same ones (learner/worker.py stop_token_ids)
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from learner.worker import stop_token_ids
+
+    path = build_tiny_model(tmp_path / "chat", chat=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert stop_token_ids(str(path), tokenizer) == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    config = GenerationConfig.from_pretrained(path)
+    config.eos_token_id = [config.eos_token_id, 0]  # a model that stops on two tokens
+    config.save_pretrained(path)
+    assert stop_token_ids(str(path), tokenizer) == tuple(sorted({0, tokenizer.eos_token_id}))

@@ -84,3 +84,21 @@ def test_tempered_chunks_equal_a_full_log_softmax_of_scaled_logits(chunk):
     full = torch.log_softmax(logits / 0.7, -1).gather(1, ids[:, None]).squeeze(1)
     (full * weights).sum().backward()
     torch.testing.assert_close(ours, logits.grad)
+
+
+def test_stop_tokens_banned_before_min_tokens_are_not_in_the_distribution():
+    # z = [2, 0, 1], stop token 2 banned (the engine's min_tokens): the sampler drew token 0 from
+    # softmax([2, 0]) -> log p = 2 - log(e^2 + 1) = -0.12693, where the whole softmax gives
+    # 2 - log(e^2 + 1 + e) = -0.40761 (a TIS ratio of 0.7553 that is not a real mismatch).
+    # Gradient: 1[v = y] - p over the two remaining tokens, 0 on the banned one.
+    logits = torch.tensor([[2.0, 0.0, 1.0], [2.0, 0.0, 1.0]], requires_grad=True)
+    ban = (torch.tensor([True, False]), torch.tensor([2]))
+    logp = token_logprobs(logits, torch.tensor([0, 0]), chunk=1, ban=ban)
+    assert logp.tolist() == pytest.approx([2 - math.log(math.e**2 + 1), 2 - math.log(math.e**2 + 1 + math.e)], rel=1e-5)
+    logp.sum().backward()
+    p = math.e**2 / (math.e**2 + 1)
+    assert logits.grad[0].tolist() == pytest.approx([1 - p, -(1 - p), 0.0], abs=1e-6)
+    q = torch.softmax(torch.tensor([2.0, 0.0, 1.0]), -1).tolist()
+    assert logits.grad[1].tolist() == pytest.approx([1 - q[0], -q[1], -q[2]], abs=1e-6)
+    h = -(p * math.log(p) + (1 - p) * math.log(1 - p))  # the entropy of the two tokens that remain
+    assert token_entropy(logits.detach(), ban=ban)[0].item() == pytest.approx(h, rel=1e-5)
