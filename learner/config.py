@@ -206,9 +206,10 @@ class AlgorithmConfig(Section):
         out = []
         if self.kl.in_loss and self.kl.estimator == "k1":
             out.append(
-                "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term is zero in expectation "
-                "(E[grad log pi] = 0), so it does not pull the policy towards the reference; use estimator=k2 "
-                "(its gradient is that of KL) or k3"
+                "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term does not involve the "
+                "reference (it is grad log pi of the sampled tokens): zero in expectation on-policy, and off-policy "
+                "it pushes the policy away from the sampler, never towards the reference; use estimator=k2 (its "
+                "gradient is that of the KL) or k3"
             )
         return out
 

@@ -142,7 +142,8 @@ class RankStep:
                 model.eval()
             with torch.no_grad():
                 for micro in batch.micro_batches():
-                    mask = batch.part("completion_mask", micro)
+                    # every sampled token, trained or not: a masked completion's KL still counts in its reward
+                    mask = batch.part("completion_tokens", micro)
                     for name, scorer in scorers.items():
                         batch.write(name, micro, scorer(micro, mask))
         exports = {} if self.models.policy is not None else {name: batch.export_flat(name) for name in scorers}
@@ -159,10 +160,12 @@ class RankStep:
         critic's and reference's ``score`` results for this shard."""
         self._import(imports)
         batch, kl_cfg = self.batch, self.algorithm.kl
-        mask = batch.column("completion_mask")
-        kl = self.kl(batch.column("old_logprobs"), batch.column("ref_logprobs"), mask) if self.kl else None  # [n, T]
-        completion = batch.valid.to(mask.dtype)  # [n, T]; every completion token, trained or not
-        rewards = token_rewards(batch.rewards, kl if kl_cfg.in_reward else None, mask, kl_beta, completion)
+        mask = batch.column("completion_mask")  # [n, T] trained tokens
+        completion = batch.column("completion_tokens")  # [n, T] every sampled token, trained or not
+        # the KL of every sampled token: a completion that trains no token keeps its -beta KL in its reward,
+        # as it keeps its task reward, so the baselines of the rows that do train are what they were unmasked
+        kl = self.kl(batch.column("old_logprobs"), batch.column("ref_logprobs"), completion) if self.kl else None
+        rewards = token_rewards(batch.rewards, kl if kl_cfg.in_reward else None, completion, kl_beta)
         step_rewards, step_end = batch.step_rewards() if self.algorithm.method.per_step_rewards else (None, None)
         self.tokens = TokenRewards(rewards, mask, batch.column("old_values"), step_rewards, step_end, completion)
         per_sequence = {name: v.numpy() for name, v in self.estimator.summarise(self.tokens).items()}

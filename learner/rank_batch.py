@@ -55,6 +55,8 @@ class RankBatch:
         self.table: dict[str, Tensor] = {
             "completion_mask": self.spread(self.tokens.completion_mask.astype(np.float32)),
             "sampler_logprobs": self.spread(self.tokens.sampler_logprobs),
+            # every sampled token, trained or not: where the sequence's reward and its KL are counted
+            "completion_tokens": self.valid.float(),
         }
         self.normalisers, self.epochs = shard.normalisers, shard.epochs
         self.minibatches: list[list[PackedInputs]] = []

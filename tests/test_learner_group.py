@@ -220,3 +220,34 @@ def test_masked_truncated_reward_counts_in_its_group_through_the_ranks(tiny_mode
     a = 1 / (2 / 3) ** 0.5
     assert sorted(seen[0][:, 0].tolist()) == pytest.approx([0.0, 0.0, a], abs=1e-4)
     assert seen[0].abs().sum().item() == pytest.approx(3 * a, abs=1e-3)  # a on the finished right answer's 3 tokens
+
+
+def test_masked_truncated_completion_keeps_its_kl_in_the_baseline(tiny_model_dir, monkeypatch):
+    # KL in the reward: every row's R_i = task reward - beta sum_t KL_t. A masked (cut) row must keep its KL
+    # term as it keeps its task reward, or the finished rows' group baseline moves when it is masked (the
+    # outside review's case: -1.043 / -0.306 unmasked became -0.876 / -0.523 masked).
+    seen: list = []
+    expand = RankStep.expand
+
+    def recording(self, per_sequence):
+        out = expand(self, per_sequence)
+        seen.append((self.batch.column("completion_mask").clone(), self.batch.column("advantages").clone()))
+        return out
+
+    monkeypatch.setattr(RankStep, "expand", recording)
+    kl = ["algorithm.kl.placement=reward", "algorithm.kl.beta=0.5", "algorithm.kl.estimator=k1"]
+    runs = {}
+    for masked in (False, True):
+        group = fake_group(tiny_model_dir, *kl, *(["algorithm.mask_truncated=true"] if masked else []))
+        step(group, batches())  # one update: the policy moves away from the reference, so KL != 0
+        cut = make_group(9, [1.0, 1.0, 0.0], completion_len=5, seed=3)
+        cut.trajectories[0].finish_reason = "length"
+        seen.clear()
+        step(group, [cut])
+        runs[masked] = seen[0]
+    (_, plain), (mask, masked) = runs[False], runs[True]
+    trained = mask.sum(-1) > 0
+    assert trained.sum() == 2 and plain[~trained].abs().sum() > 0  # the cut row trains only unmasked
+    assert plain[trained].abs().sum() > 1e-3
+    torch.testing.assert_close(masked[trained], plain[trained], atol=1e-5, rtol=1e-4)
+    assert masked[~trained].abs().sum() == 0
