@@ -71,7 +71,11 @@ def test_process_supervision_refuses_sequence_reward_shaping_it_would_ignore(set
 
 def test_k1_kl_in_the_loss_warns_that_its_gradient_is_zero_in_expectation():
     cfg = load_config(None, REQUIRED + ["algorithm.kl.placement=loss", "algorithm.kl.estimator=k1"])
-    assert len(cfg.warnings) == 1 and "estimator=k2" in cfg.warnings[0] and "does not involve the reference" in cfg.warnings[0]
+    assert (
+        len(cfg.warnings) == 1
+        and "estimator=k2" in cfg.warnings[0]
+        and "does not involve the reference" in cfg.warnings[0]
+    )
     for ok in (["algorithm.kl.placement=loss", "algorithm.kl.estimator=k3"], ["algorithm.kl.placement=reward"]):
         assert (
             load_config(None, REQUIRED + ok + ["algorithm.kl.estimator=k1"] * (ok[-1].endswith("reward"))).warnings
