@@ -199,7 +199,9 @@ def step_end_tokens(token_ids: list[int], decode: Callable[[list[int]], str], de
             ends.append(pos)
         if pos < len(text):
             ends.append(len(text))
-    prefix_lengths = [len(decode(token_ids[: i + 1])) for i in range(len(token_ids))]
+    # a prefix that ends inside a multi-byte character decodes to replacement characters (one per byte
+    # with byte-fallback tokenizers): count only the characters it completes
+    prefix_lengths = [len(decode(token_ids[: i + 1]).rstrip("\ufffd")) for i in range(len(token_ids))]
     out, i = [], 0
     for end in ends:
         while i < len(prefix_lengths) - 1 and prefix_lengths[i] < end:

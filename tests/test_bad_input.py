@@ -134,3 +134,21 @@ def test_the_last_step_owns_the_eos_token():
     rewards[0, ends], is_end[0, ends] = 1.0, 1.0
     assert accumulate_step_rewards(rewards, is_end, torch.ones(1, 5)).tolist() == [[2.0, 2.0, 2.0, 1.0, 1.0]]
     assert step_end_tokens([0, 1, 2, 4], decode, "\n") == [3]  # "ab\n" then EOS: one step, ending on the EOS
+
+
+def test_step_ends_wait_for_a_multi_byte_character_to_complete():
+    # "€\nb" + EOS in byte tokens (e2 82 ac, \n, b, EOS). A prefix ending inside "€" decodes to one U+FFFD
+    # per byte with a byte-fallback tokenizer: counted as characters, step 1 ended on the euro's first byte
+    # (ends [1, 5]); the newline ends it: [3, 5]. With '' every character is a step: [2, 3, 5] (was [0, 3, 5]).
+    from actors.rewards import step_end_tokens
+
+    pieces = [b"\xe2", b"\x82", b"\xac", b"\n", b"b", b""]
+
+    def decode(ids):
+        raw = b"".join(pieces[i] for i in ids)
+        text = raw.decode("utf-8", errors="ignore")
+        missing = len(raw) - len(text.encode())  # bytes of an unfinished character: one U+FFFD each
+        return text + "\ufffd" * missing
+
+    assert step_end_tokens([0, 1, 2, 3, 4, 5], decode, "\n") == [3, 5]
+    assert step_end_tokens([0, 1, 2, 3, 4, 5], decode, "") == [2, 3, 5]
