@@ -130,6 +130,7 @@ class BatchCollector:
         on_filter: Callable[[TrajectoryGroup], Awaitable] | None = None,
         on_eval: Callable[[TrajectoryGroup], None] = lambda group: None,
         on_spans: Callable[[list], None] = lambda spans: None,
+        outcomes: Callable[[TrajectoryGroup], list[float]] = lambda group: [t.reward for t in group.trajectories],
     ):
         self.queue, self.run = results_queue, run
         self.timeout, self.on_drop, self.accept = timeout, on_drop, accept
@@ -138,6 +139,7 @@ class BatchCollector:
         self.max_filtered, self.on_filter = max_filtered, on_filter
         self.on_eval = on_eval  # an evaluation group: scored for the held-out metrics, never trained on
         self.on_spans = on_spans  # the actors' timeline spans that rode on the groups (RunLog.timeline)
+        self.outcomes = outcomes  # a group's rewards as trained (with the per-sequence penalties): its signal
 
     def _arrived(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         spans = [span for group in groups for span in group.spans]
@@ -205,7 +207,7 @@ class BatchCollector:
                     self.on_eval(group)
 
     def _filter_out(self, batch: Batch, group: TrajectoryGroup) -> bool:
-        rewards = [t.reward for t in group.trajectories]
+        rewards = self.outcomes(group)
         if max(rewards) != min(rewards):
             return False
         batch.zero_variance += 1

@@ -44,6 +44,7 @@ from launch.stepping import (
 )
 from launch.stopping import StopRequest
 from launch.supervise import ActorPool
+from learner.group import outcome_rewards
 from queues.bounded import build_queue
 from queues.messages import PromptRequest
 from queues.prompts import PromptStream
@@ -227,6 +228,7 @@ async def train(
             on_filter=on_filter,
             on_eval=evaluator.add,
             on_spans=run.timeline,
+            outcomes=lambda group: outcome_rewards(group.trajectories, cfg.algorithm, cfg.rollout.max_tokens),
         )
         said_oversample = False
         step_s = 0.0

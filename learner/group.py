@@ -28,7 +28,7 @@ import torch
 
 from learner.algorithms import adaptive_kl_beta
 from learner.config import AlgorithmConfig
-from learner.returns import RewardStats, shape_sequence_rewards
+from learner.returns import RewardStats, penalised_rewards, shape_sequence_rewards
 from learner.step_plan import StepPlan, plan_step
 from queues.messages import Trajectory, TrajectoryGroup
 
@@ -60,6 +60,12 @@ def sequence_rewards(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tenso
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
     lengths = torch.tensor([len(t.completion_token_ids) for t in trajs], dtype=torch.float)
     return rewards, truncated, lengths
+
+
+def outcome_rewards(trajs: list[Trajectory], algorithm: AlgorithmConfig, max_tokens: int) -> list[float]:
+    """Each trajectory's reward after its own penalties (truncation, soft overlong): a group whose raw
+    rewards are all equal can still carry a signal once a cut completion is penalised."""
+    return penalised_rewards(*sequence_rewards(trajs), algorithm, max_tokens).tolist()
 
 
 def trained_tokens(trajs: list[Trajectory]) -> torch.Tensor:

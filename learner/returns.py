@@ -38,6 +38,21 @@ class RewardStats:
     var: Tensor = field(default_factory=lambda: torch.tensor(1.0))
 
 
+def penalised_rewards(
+    rewards: Tensor, truncated: Tensor, lengths: Tensor, algorithm: AlgorithmConfig, max_tokens: int
+) -> Tensor:
+    """``[N]`` rewards after the per-sequence penalties alone (the EOS trick, the soft overlong ramp):
+    what each sequence scores before any batch statistic, so what decides whether a group's completions
+    differ at all (dynamic sampling, ``zero_variance_frac``)."""
+    r = rewards.float()
+    if algorithm.truncation_penalty is not None:
+        r = truncation_penalty(r, truncated, algorithm.truncation_penalty)
+    if algorithm.soft_overlong:
+        soft = algorithm.soft_overlong
+        r = soft_overlong_penalty(r, lengths.float(), max_tokens, soft.cache_len, soft.factor)
+    return r
+
+
 def shape_sequence_rewards(
     rewards: Tensor,
     truncated: Tensor,
@@ -51,12 +66,7 @@ def shape_sequence_rewards(
     ``truncated`` ``[N]`` bool: cut at ``max_tokens``; ``lengths`` ``[N]``: completion tokens, trained or not
     (a truncated completion whose tokens are masked out still has its length, and its penalty).
     """
-    r = rewards.float()
-    if algorithm.truncation_penalty is not None:
-        r = truncation_penalty(r, truncated, algorithm.truncation_penalty)
-    if algorithm.soft_overlong:
-        soft = algorithm.soft_overlong
-        r = soft_overlong_penalty(r, lengths.float(), max_tokens, soft.cache_len, soft.factor)
+    r = penalised_rewards(rewards, truncated, lengths, algorithm, max_tokens)
     if algorithm.normalise_rewards:
         stats.count, stats.mean, stats.var = update_running_moments(stats.count, stats.mean, stats.var, r)
         r = normalise_rewards(r, stats.mean, stats.var)

@@ -241,3 +241,37 @@ def test_dynamic_sampling_leaves_out_zero_variance_groups_up_to_its_limit():
     assert [g.prompt_id for g in batch.groups] == [0, 1] and batch.zero_variance == 1 and not left_out
     metrics = step_metrics(batch, {}, 1.0)
     assert metrics["zero_variance_frac"] == 0.5 and metrics["filtered_groups"] == 0
+
+
+def test_a_group_with_a_penalised_cut_completion_carries_a_signal():
+    # {cut r=1, finished r=1} with truncation_penalty -1 trains on [-1, 1]: not a zero-variance group,
+    # though its raw rewards are equal (dynamic sampling dropped it, and zero_variance_frac counted it)
+    from launch.config import load_config
+    from learner.group import outcome_rewards
+
+    algo = load_config(None, ["model.path=m", "data.prompts=p", "reward.function=r", "algorithm.truncation_penalty=-1"])
+    group = make_group(0, [1.0, 1.0])
+    group.trajectories[0].finish_reason = "length"
+    assert outcome_rewards(group.trajectories, algo.algorithm, 16) == [-1.0, 1.0]
+
+    async def go():
+        q = LocalQueue("results", maxsize=10)
+        q.put_many([group, make_group(1, [1.0, 0.0])], timeout=1)
+
+        async def never(group):
+            raise AssertionError("nothing is stale or filtered here")
+
+        collector = BatchCollector(
+            q,
+            {},
+            None,
+            5,
+            on_drop=never,
+            max_filtered=2,
+            on_filter=never,
+            outcomes=lambda g: outcome_rewards(g.trajectories, algo.algorithm, 16),
+        )
+        return await collector.collect(2, step=0, max_staleness=0)
+
+    batch = asyncio.run(go())
+    assert [g.prompt_id for g in batch.groups] == [0, 1] and batch.zero_variance == 0
