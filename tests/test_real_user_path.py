@@ -57,26 +57,27 @@ def chat_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", chat=True))
 
 
-@pytest.fixture(scope="module")
-def gsm8k_parquet(tmp_path_factory) -> str:
+def write_parquet(folder: Path, name: str, rows: list[dict]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = random.Random(0)
-    rows = []
-    for _ in range(72):
-        question, _, solution = word_problem(rng)
-        rows.append({"question": question, "answer": solution})
-    path = tmp_path_factory.mktemp("data") / "gsm8k-train.parquet"
+    path = folder / name
     pq.write_table(pa.Table.from_pylist(rows), str(path))
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def verl_parquet(tmp_path_factory) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def gsm8k_parquet(tmp_path_factory) -> str:
+    rng = random.Random(0)
+    rows = []
+    for _ in range(72):
+        question, _, solution = word_problem(rng)
+        rows.append({"question": question, "answer": solution})
+    return write_parquet(tmp_path_factory.mktemp("data"), "gsm8k-train.parquet", rows)
 
+
+@pytest.fixture(scope="module")
+def verl_parquet(tmp_path_factory) -> str:
     rng = random.Random(1)
     rows = []
     for i in range(72):
@@ -92,9 +93,7 @@ def verl_parquet(tmp_path_factory) -> str:
             }
         )
     rows[5]["prompt"] = [{"role": "system", "content": "no user message: a malformed row"}]
-    path = tmp_path_factory.mktemp("data") / "verl-train.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), str(path))
-    return str(path)
+    return write_parquet(tmp_path_factory.mktemp("data"), "verl-train.parquet", rows)
 
 
 def user_config(path: Path, model: str, prompts: str, out: Path, **data_fields: str) -> str:
