@@ -22,17 +22,22 @@ from tests.runs import actor_options, actor_spec
 pytestmark = pytest.mark.slow
 
 
-def _logprobs(model, prompt_ids, ids):
+def _logprobs(model, prompt_ids, ids, stop_ids):
+    """log pi of each sampled token under ``model``, as the engine sampled it: min_tokens covers the whole
+    completion, so the stop tokens were impossible at every position (their logits -inf)."""
     with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt_ids + ids])).logits[0].float(), -1)
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0].float()
+    logits[:, list(stop_ids)] = float("-inf")
+    logp = torch.log_softmax(logits, -1)
     return [logp[len(prompt_ids) - 1 + t, tok].item() for t, tok in enumerate(ids)]
 
 
 def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_session, tiny_model_dir, tmp_path):
     ray = ray_session
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.async_generation import AsyncGenerationActor
+    from learner.worker import stop_token_ids
 
     # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way.
     rollout = dict(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight")
@@ -61,7 +66,8 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
         assert versions == sorted(versions) and set(versions) == {0, 1}, "the update did not land mid-generation"
         split = versions.index(1)
         prompt, completion = traj.prompt_token_ids.tolist(), traj.completion_token_ids.tolist()
-        lp_old, lp_new = _logprobs(old, prompt, completion), _logprobs(new, prompt, completion)
+        stops = stop_token_ids(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
+        lp_old, lp_new = _logprobs(old, prompt, completion, stops), _logprobs(new, prompt, completion, stops)
         sampled = traj.sampler_logprobs.tolist()
         before = max(abs(a - b) for a, b in zip(sampled[:split], lp_old[:split]))
         after = max(abs(a - b) for a, b in zip(sampled[split:], lp_new[split:]))
