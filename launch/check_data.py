@@ -70,11 +70,14 @@ def _check(cfg: TandemConfig, n: int, say: Callable[[str], None]) -> Findings:
     from launch.data import load_run_rows
     from launch.preflight import answer_problem, check_context_length, load_renderer
 
-    found = Findings()
+    found = Findings(warnings=list(cfg.warnings))  # what `tandem train` would warn about before starting
     check_rewards(cfg.reward)  # a reward file that exits or hangs at import fails here, in a child process
     rows, held = load_run_rows(cfg, found.warnings.append)
     model_path = prepare_model(cfg.model)
-    say(f"data: {cfg.data.prompts}: {len(rows)} rows to train on, {len(held)} held out for evaluation")
+    say(
+        f"data: {cfg.data.prompts}: {len(rows)} rows to train on, {len(held)} held out for evaluation (rows below "
+        "are numbered among these, after unusable rows are dropped and the held-out rows set aside)"
+    )
     say(f"model: {model_path}")
     try:
         check_context_length(cfg.engine.max_model_len, model_path)
@@ -92,6 +95,7 @@ def _check(cfg: TandemConfig, n: int, say: Callable[[str], None]) -> Findings:
         if note := renderer.fallback_note():
             found.warnings.append(note)
         _check_lengths(cfg, renderer, rows, "data.prompts", found, say)
+        _check_answer_room(cfg, renderer, rows, found)
         if held:
             _check_lengths(cfg, renderer, held, "the held-out set", found, say)
     gold = GoldCompletions(cfg, rows)
@@ -143,6 +147,26 @@ def _check_lengths(cfg: TandemConfig, renderer, rows: list[dict], what: str, fou
         found.problems.append(
             f"{line}; shorten them, raise engine.max_model_len, lower rollout.max_tokens"
             + ("" if cfg.data.skip_long_prompts else " or set data.skip_long_prompts=true")
+        )
+
+
+ANSWER_SAMPLE = 256  # rows whose answers are counted for the room check
+
+
+def _check_answer_room(cfg: TandemConfig, renderer, rows: list[dict], found: Findings) -> None:
+    """The rows' answers as written (a GSM8K answer is a worked solution) against ``rollout.max_tokens``:
+    a completion that reasons like them and is cut before its final answer scores 0, and a run whose
+    completions are all cut learns nothing while the gold answers above score 1."""
+    texts = [str(r["answer"]) for r in rows[:ANSWER_SAMPLE] if r.get("answer") is not None]
+    if not texts:
+        return
+    lengths = sorted(len(renderer.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    median, limit = lengths[len(lengths) // 2], cfg.rollout.max_tokens
+    if median > limit:
+        found.warnings.append(
+            f"the rows' answers as written are {median} tokens long (median of {len(texts)}), more than "
+            f"rollout.max_tokens = {limit}: a completion that works like them is cut before its final answer "
+            "and scores 0; raise rollout.max_tokens (and engine.max_model_len)"
         )
 
 

@@ -118,13 +118,20 @@ def no_signal(metrics: dict[str, Any]) -> bool:
     return metrics.get("zero_variance_frac", 0.0) >= 1.0
 
 
-def no_signal_cause(rewards: list[tuple[float, float]]) -> str:
-    """The likely cause, from ``(reward_mean, reward_std)`` of the steps without signal: the same
-    score everywhere (0: the reward never fires; 1 or more: the task is too easy; else the reward
-    ignores the completion), or a different score per prompt but one per group."""
-    means = [mean for mean, _ in rewards]
+def no_signal_cause(rewards: list[tuple[float, ...]]) -> str:
+    """The likely cause, from ``(reward_mean, reward_std[, truncated_frac])`` of the steps without
+    signal: the same score everywhere (0 with most completions cut at the length limit: no room to
+    answer; 0: the reward never fires; 1 or more: the task is too easy; else the reward ignores the
+    completion), or a different score per prompt but one per group."""
+    means = [r[0] for r in rewards]
     mean = sum(means) / len(means)
-    if any(std > 0 for _, std in rewards) or max(means) != min(means):
+    cut = sum(r[2] if len(r) > 2 else 0.0 for r in rewards) / len(rewards)
+    if mean <= 0 and cut >= 0.5 and max(means) == min(means):
+        return (
+            f"all rewards {mean:.2f} and {cut:.0%} of completions were cut at rollout.max_tokens: too short to "
+            "reach an answer; raise rollout.max_tokens (and engine.max_model_len)"
+        )
+    if any(r[1] > 0 for r in rewards) or max(means) != min(means):
         return (
             f"mean reward {mean:.2f}, but each prompt's samples scored alike: they do not differ enough; "
             "raise rollout.temperature or rollout.group_size"
@@ -148,8 +155,8 @@ class SignalWatch:
         self.k = steps_in_a_row
         self.steps = 0
         self.no_signal_steps = 0
-        self.streak: list[tuple[float, float]] = []  # (reward_mean, reward_std) of the current stretch
-        self.silent: list[tuple[float, float]] = []  # the same, of every step without signal
+        self.streak: list[tuple[float, ...]] = []  # (reward_mean, reward_std, truncated_frac) of the current stretch
+        self.silent: list[tuple[float, ...]] = []  # the same, of every step without signal
         self.warnings: list[str] = []
         self.eval_errors = 0
 
@@ -158,7 +165,11 @@ class SignalWatch:
         if not no_signal(metrics):
             self.streak = []
             return None
-        rewards = (float(metrics.get("reward_mean", 0.0)), float(metrics.get("reward_std", 0.0)))
+        rewards = (
+            float(metrics.get("reward_mean", 0.0)),
+            float(metrics.get("reward_std", 0.0)),
+            float(metrics.get("truncated_frac", 0.0)),
+        )
         self.no_signal_steps += 1
         self.streak.append(rewards)
         self.silent.append(rewards)

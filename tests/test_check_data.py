@@ -213,3 +213,16 @@ def test_the_renderer_names_the_template_it_uses(tmp_path):
     from_file = PromptRenderer(build_tokenizer(), str(jinja))
     assert from_file.template == "file" and from_file.describe() == f"the chat template of {jinja} (data.chat_template)"
     assert from_file.text({"prompt": "q"}) == "<q>"
+
+
+def test_answers_longer_than_max_tokens_and_the_config_warnings_are_said(tmp_path, chat_model, capsys):
+    # A GSM8K answer is a worked solution: at the default rollout.max_tokens (16) a completion that works
+    # like it is cut before its "#### n", and a run learns nothing while the gold answers score 1.
+    worked = [dict(r, answer="First 3 + 4 = <<3+4=7>>7 apples, then nothing else happens.\n#### 7") for r in ROWS]
+    config = write_config(tmp_path, chat_model, worked)
+    code, out, _ = run_check(capsys, config, "algorithm.kl.placement=loss", "algorithm.kl.estimator=k1", n=1)
+    assert code == 0, out  # a warning, not a problem: the data is right, the budget is small
+    assert "more than rollout.max_tokens = 16: a completion that works like them is cut" in out
+    assert "algorithm.kl.placement=loss with estimator=k1" in out  # what `tandem train` would warn about
+    code, out, _ = run_check(capsys, config, "rollout.max_tokens=128", n=1)
+    assert "rollout.max_tokens = 128" not in out and "warnings:" not in out

@@ -192,3 +192,16 @@ def test_an_actor_that_keeps_failing_is_not_resumed_and_its_error_is_in_driver_l
     assert len(calls) == attempts
     (run_dir,) = tmp_path.iterdir()
     assert "error: actor-0 stopped: RuntimeError: boom" in (run_dir / "logs" / "driver.log").read_text()
+
+
+def test_a_run_cut_at_the_length_limit_is_told_to_raise_max_tokens():
+    # the new user's GSM8K run: rewards 0 and 96-100% of completions cut at the default 16 tokens; the
+    # reward is not what is wrong (check-data scores the gold answers 1), the answers never fit
+    watch = SignalWatch(steps_in_a_row=2)
+    cut = {"zero_variance_frac": 1.0, "reward_mean": 0.0, "reward_std": 0.0, "truncated_frac": 0.97}
+    warnings = [watch.step(i, cut) for i in range(2)]
+    assert (
+        "97% of completions were cut at rollout.max_tokens" in warnings[1] and "raise rollout.max_tokens" in warnings[1]
+    )
+    assert "check the answers" not in warnings[1]
+    assert no_signal_cause([(0.0, 0.0, 0.2)]).startswith("all rewards 0.00: the reward never fires")
