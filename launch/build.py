@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
+import threading
 from pathlib import Path
 
 from cluster.placement import check_fits, local_ray_cpus, ray_options
@@ -48,6 +50,20 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
     if ray.is_initialized():
         return
     kinds = build_plan(cfg).kinds
+    # ray.init sets its own SIGTERM handler (sys.exit), which would replace the run's clean stop
+    # (launch/stopping.py): a preemption's SIGTERM must checkpoint like Ctrl-C, so ours is put back.
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        _init_ray(cfg, kinds, log_to_driver)
+    finally:
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+    check_fits(kinds, ray.available_resources())
+
+
+def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
+    import ray
+
     source = str(Path(__file__).resolve().parents[1])  # Ray's workers import Tandem from this checkout
     if cfg.resources.address:
         env = {"env_vars": {"PYTHONPATH": source}}
@@ -77,7 +93,6 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
         node = ray._private.worker._global_node
         gcs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER)
         reaper.start_watchdog(token, node.get_session_dir_path(), gcs[0].process.pid if gcs else None)
-    check_fits(kinds, ray.available_resources())
 
 
 async def _await_ready(refs: list, names: list[str], log_paths: list[str], timeout: float) -> list:

@@ -46,6 +46,7 @@ def _render_launcher(args: argparse.Namespace) -> int:
             venv=args.venv,
             ray_port=args.ray_port,
             wait_s=args.wait,
+            signal_s=args.signal_s,
         )
     else:
         from launch.k8s import render_rayjob
@@ -116,6 +117,12 @@ def _add_launchers(sub) -> None:
     sl.add_argument("--venv", help="virtual environment to activate on the nodes")
     sl.add_argument("--ray-port", type=int, default=6379)
     sl.add_argument("--wait", type=int, default=600, help="seconds to wait for all nodes to join")
+    sl.add_argument(
+        "--signal-s",
+        type=int,
+        default=300,
+        help="SIGTERM to the job this many seconds before --time: tandem train checkpoints and stops",
+    )
     sl.add_argument("--out", help="write the script here instead of stdout")
     sl.add_argument("overrides", nargs="*", help="config overrides, key=value")
     k8 = sub.add_parser("k8s", help="print a KubeRay RayJob manifest")

@@ -78,8 +78,20 @@ for node in "${nodes[@@]:1}"; do
 done
 wait_for_nodes @nodes
 
+# SLURM sends SIGTERM to this script @signal_s s before the time limit (--signal=B:TERM@@@signal_s), and
+# scancel --batch or a preemption may too: tandem train gets it, finishes the step, checkpoints, exits 143.
+@train &
+train_pid=$!
+on_term() {
+    echo "tandem-slurm: SIGTERM: tandem train checkpoints and stops"
+    kill -TERM "$train_pid" 2>/dev/null || true
+}
+trap on_term TERM
 status=0
-@train || status=$?
+while true; do
+    wait "$train_pid" && status=0 || status=$?
+    kill -0 "$train_pid" 2>/dev/null || break  # wait returned for the signal: tandem is still stopping
+done
 echo "tandem-slurm: tandem train exited with $status"
 exit "$status"
 """
@@ -100,14 +112,16 @@ def render_sbatch(
     venv: str | None,
     ray_port: int = 6379,
     wait_s: int = 600,
+    signal_s: int = 300,
 ) -> str:
     """The sbatch script (bash) for ``cfg``; ``config_path`` and ``overrides`` are passed to ``tandem train``
-    as given (the config path must be readable on the first node). ``wait_s`` bounds the wait for all nodes."""
+    as given (the config path must be readable on the first node). ``wait_s`` bounds the wait for all nodes;
+    SLURM signals the script ``signal_s`` seconds before the time limit (a step and a checkpoint must fit)."""
     for name, value in (("nodes", nodes), ("cpus_per_node", cpus_per_node), ("ray_port", ray_port)):
         if value < 1:
             raise LaunchError(f"{name} = {value} must be at least 1")
-    if gpus_per_node < 0 or wait_s < 0:
-        raise LaunchError("gpus_per_node and wait_s cannot be negative")
+    if gpus_per_node < 0 or wait_s < 0 or signal_s < 0:
+        raise LaunchError("gpus_per_node, wait_s and signal_s cannot be negative")
     check_allocation(
         cfg,
         machines=nodes,
@@ -117,19 +131,26 @@ def render_sbatch(
         fix="raise --nodes, --gpus-per-node or --cpus-per-node",
     )
     return _SCRIPT.substitute(
-        directives=_directives(nodes, gpus_per_node, cpus_per_node, partition, time_limit, job_name),
+        directives=_directives(nodes, gpus_per_node, cpus_per_node, partition, time_limit, job_name, signal_s),
         activate=f"source {shlex.quote(venv + '/bin/activate')}" if venv else "# (no --venv: tandem and ray on PATH)",
         port=ray_port,
         cpus=cpus_per_node,
         gpus=gpus_per_node,
         wait_s=wait_s,
         nodes=nodes,
+        signal_s=signal_s,
         train=train_command(config_path, overrides, '"resources.address=$ray_address"'),
     )
 
 
 def _directives(
-    nodes: int, gpus_per_node: int, cpus_per_node: int, partition: str | None, time_limit: str, job_name: str
+    nodes: int,
+    gpus_per_node: int,
+    cpus_per_node: int,
+    partition: str | None,
+    time_limit: str,
+    job_name: str,
+    signal_s: int,
 ) -> str:
     for flag, value in (("--job-name", job_name), ("--time", time_limit), ("--partition", partition)):
         if value is not None and not _DIRECTIVE_VALUE.fullmatch(value):
@@ -141,6 +162,7 @@ def _directives(
         f"--cpus-per-task={cpus_per_node}",
         f"--time={time_limit}",
         f"--output={job_name}-%j.out",
+        f"--signal=B:TERM@{signal_s}",  # to the batch script, which passes it to tandem train
     ]
     if gpus_per_node:
         lines.insert(3, f"--gpus-per-node={gpus_per_node}")

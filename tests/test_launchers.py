@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -163,6 +164,29 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     args = (tmp_path / "args").read_text().splitlines()
     assert args == ["train", "--config", "configs/my grpo.yaml", "resources.address=10.0.0.1:6379", *OVERRIDES]
     assert not (tmp_path / "pwned").exists()
+
+
+def test_sbatch_passes_slurms_sigterm_to_tandem_train_and_exits_with_its_status(cfg, tmp_path):
+    script = sbatch(cfg, signal_s=240)
+    assert "#SBATCH --signal=B:TERM@240" in script  # SLURM warns the batch script 4 minutes before --time
+    (tmp_path / "job.sbatch").write_text(script)
+    env = _stubs(tmp_path, nodes_up=3, tandem_rc=0)
+    # a tandem that takes a while to stop on SIGTERM, as a real run finishing its step does
+    (tmp_path / "bin" / "tandem").write_text(
+        '#!/bin/bash\ntrap \'sleep 0.5; echo TERM >> "$LOG"; exit 143\' TERM\nprintf "%s\\n" "$@" > "$ARGS"\n'
+        "while true; do /bin/sleep 0.05; done\n"
+    )
+    job = subprocess.Popen(["bash", "job.sbatch"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "args").exists():
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=20)
+    assert job.returncode == 143, out  # the job ends with tandem's status, after tandem stopped
+    assert "TERM" in (tmp_path / "log").read_text().splitlines()
+    assert "tandem-slurm: SIGTERM: tandem train checkpoints and stops" in out
+    assert "tandem train exited with 143" in out
 
 
 def test_sbatch_gives_up_at_the_deadline_with_a_clear_error(cfg, tmp_path):

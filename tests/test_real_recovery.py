@@ -54,7 +54,7 @@ def spawn(out: Path, model_dir: str, *overrides: str) -> subprocess.Popen:
     args += ["model.build_tiny=false", f"run.output_dir={out}", *overrides]
     log = (out.parent / f"{out.name}-driver.log").open("w")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_for_steps(out: Path, steps: int, proc: subprocess.Popen | None = None, timeout: float = 240) -> Path:
@@ -156,17 +156,27 @@ def test_synchronous_resume_after_kill_9_of_the_driver_is_the_same_run(tmp_path,
     assert [s["step"] for s in samples] == [s // 2 for s in range(16)]  # two per step, none twice
 
 
-def test_ctrl_c_of_an_asynchronous_run_checkpoints_leaves_no_process_and_resumes_every_prompt_once(
-    tmp_path, tiny_model_dir, slow_reward
+# Ctrl-C, and SIGTERM to the driver's process group (kill -- -PGID; the driver is in it, as it is under a
+# pod stop or scancel). Before Ray's own SIGTERM handler was undone, SIGTERM ended the run with rc -6.
+STOPS = {"ctrl-c": (signal.SIGINT, False, 130), "sigterm-group": (signal.SIGTERM, True, 143)}
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_a_stop_signal_to_an_asynchronous_run_checkpoints_leaves_no_process_and_resumes_every_prompt_once(
+    tmp_path, tiny_model_dir, slow_reward, stop
 ):
+    sig, group, code = STOPS[stop]
     out = tmp_path / "runs"
     proc = spawn(out, tiny_model_dir, *BASE, "run.max_staleness=2", "rollout.weight_update=inflight", slow_reward)
     root = wait_for_steps(out, 3, proc)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130
+    if group:
+        os.killpg(proc.pid, sig)  # the driver leads its own group here (spawn: start_new_session)
+    else:
+        proc.send_signal(sig)
+    assert proc.wait(timeout=120) == code, (out.parent / f"{out.name}-driver.log").read_text()[-3000:]
     summary = json.loads((root / "summary.json").read_text())
     done = len(read_metrics(out))
-    assert summary["status"] == "stopped (SIGINT)" and summary["steps"] == done < 8
+    assert summary["status"] == f"stopped ({sig.name})" and summary["steps"] == done < 8
     assert (root / "checkpoints" / f"step-{done}" / "manifest.json").is_file()
     assert (root / "model" / "model.safetensors").is_file()
     assert_nothing_left(root)
