@@ -57,6 +57,17 @@ def discard_gradients(model) -> None:
         p.grad = None
 
 
+def agree_all(ok: bool, device: torch.device) -> bool:
+    """``ok`` on every rank of the default group: a MAX all-reduce of ``0`` (ok) or ``1``. The flag lives
+    on ``device``, the rank's compute device: NCCL's group serves only ``cuda`` tensors (a CPU flag
+    fails there with "No backend type associated with device type cpu"), gloo's the CPU ones."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
 @dataclass
 class Models:
     """What one process holds: ``policy`` and ``critic`` train, ``reference`` is frozen."""
@@ -257,11 +268,7 @@ class RankStep:
         if finite:
             grads = [p.grad for model in self._trainable() for p in _parameters(model) if p.grad is not None]
             finite = not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            flag = torch.tensor([0.0 if finite else 1.0])
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            finite = flag.item() == 0.0
-        return finite
+        return agree_all(finite, self.layout.device) if self.world_size > 1 else finite
 
     def _critic_backward(self, micro: PackedInputs, view, normaliser) -> dict[str, float]:
         values = packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float()  # [n, T]
