@@ -137,13 +137,24 @@ def run_training(
     resume_dir: str | None = None,
     result: dict | None = None,
 ) -> int:
-    """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists."""
+    """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists. The run
+    directory is locked while this runs (``launch/run_lock.py``): one writer at a time."""
+    locks: list = []
+    try:
+        return _run_training(config_path, overrides, resume_dir, result, locks)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _run_training(config_path, overrides, resume_dir, result, locks: list) -> int:
     from actors.rewards import check_rewards
     from launch.build import prepare_model
     from launch.checkpoints import CheckpointError, CheckpointStore
     from launch.data import load_run_rows
     from launch.preflight import check_answers, check_prompt_lengths, preflight
     from launch.run_dir import RunLog, format_seconds, startup_phases
+    from launch.run_lock import RunLock
     from launch.saving import Resume, check_resumable
     from launch.stopping import StopRequest
     from launch.supervise import ActorKeepsFailing
@@ -160,6 +171,7 @@ def run_training(
         root = Path(resume_dir)
         if not (root / "config.yaml").is_file():
             raise ConfigError(f"--resume {root}: not a run directory (no config.yaml); give the RUN_DIR a run printed")
+        locks.append(RunLock.acquire(root))  # before anything reads or rewrites the run's files
         config_path = config_path or root / "config.yaml"
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
@@ -181,6 +193,7 @@ def run_training(
         run = RunLog.reopen(root, dumped, cfg.run.steps, first_step=int(state["step"]))
     else:
         run = RunLog.create(cfg.run.output_dir, cfg.run.name, dumped, cfg.run.steps, private=cfg.run.private)
+        locks.append(RunLock.acquire(run.root))
         store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
     driver_log = attach_driver_log(run, early)
     run.mark("prepare")  # config, data, model and preflight checks, the run directory

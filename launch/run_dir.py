@@ -125,12 +125,15 @@ class RunLog:
         settings: RunConfig | None = None,
     ) -> RunLog:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        root = Path(output_dir) / f"{name}-{stamp}"
-        suffix = 1
-        while root.exists():
-            root = Path(output_dir) / f"{name}-{stamp}-{suffix}"
-            suffix += 1
-        root.mkdir(parents=True, mode=0o700 if private else 0o777)  # 0o777 less the umask
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        suffix = 0
+        while True:  # mkdir itself decides: two runs started in the same second get two directories
+            root = Path(output_dir) / (f"{name}-{stamp}-{suffix}" if suffix else f"{name}-{stamp}")
+            try:
+                root.mkdir(mode=0o700 if private else 0o777)  # 0o777 less the umask
+                break
+            except FileExistsError:
+                suffix += 1
         (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         return cls(root, total_steps, settings=settings, config=config)
 
