@@ -257,19 +257,22 @@ async def train(
                 for group in batch.groups:
                     ledger.trained(group.prompt_id)
                 health.check(step, batch.groups, learner_metrics)
-                run.timeline(await learner.publish_weights(step + 1) + driver_spans.take())
-                await pace.advance(step + 1)  # policy version step + 1 is now on the channel
-                step_s = time.monotonic() - t0
-                metrics = step_metrics(batch, learner_metrics, step_s)
-                metrics.update(
-                    prompt_ids=[g.prompt_id for g in batch.groups],
-                    filtered_prompt_ids=batch.filtered_ids,
-                    duplicates=batch.duplicates,
-                    actor_restarts=pool.total_restarts,
-                )
-                run.step(step, metrics, step_distributions(batch))
-                run.samples(sample_records(batch, step, cfg.run.log_samples))
-                progress.done = step + 1
+                try:
+                    run.timeline(await learner.publish_weights(step + 1) + driver_spans.take())
+                    await pace.advance(step + 1)  # policy version step + 1 is now on the channel
+                finally:  # the update is applied, published or not: the step is done, and the
+                    # checkpoint written after a failed push says so (its optimizer has step + 1 updates)
+                    step_s = time.monotonic() - t0
+                    metrics = step_metrics(batch, learner_metrics, step_s)
+                    metrics.update(
+                        prompt_ids=[g.prompt_id for g in batch.groups],
+                        filtered_prompt_ids=batch.filtered_ids,
+                        duplicates=batch.duplicates,
+                        actor_restarts=pool.total_restarts,
+                    )
+                    run.step(step, metrics, step_distributions(batch))
+                    run.samples(sample_records(batch, step, cfg.run.log_samples))
+                    progress.done = step + 1
                 if evaluator.due(progress.done, steps):
                     evaluator.start(progress.done, version=progress.done)
                 every = cfg.run.checkpoint_every

@@ -8,6 +8,7 @@ plus shutdown, never hang.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,8 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.runs import DEMO, train
+from tests.runs import DEMO, read_metrics, run_dir, train
 
 pytestmark = pytest.mark.slow
 PUSH_TIMEOUT_S = 5
@@ -73,3 +75,23 @@ def test_a_stalled_or_dead_actor_stops_the_run_naming_it(tmp_path, tiny_model_di
         assert f"did not acknowledge within {PUSH_TIMEOUT_S}s" in err, err
     # the deadline plus start-up of the failing step and Ray's shutdown; a hang would take minutes
     assert ended_at - report["sent_at"] < PUSH_TIMEOUT_S + 60
+    assert_checkpoint_is_of_its_step(run_dir(tmp_path))
+
+
+def assert_checkpoint_is_of_its_step(root: Path) -> None:
+    """The checkpoint written as the run stopped holds as many optimizer updates as it says steps, every
+    logged step, and a ledger in which each prompt is trained (logged) or pending, never both or
+    neither (issue 26, item 5: after a failed push it said step 5 and held 6 updates, and the failed
+    step's prompts were neither trained nor pending after resume)."""
+    newest = max((root / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    state = json.loads((newest / "state.json").read_text())
+    metrics = read_metrics(root.parent)
+    assert state["step"] == len(metrics), (state["step"], len(metrics))
+    model_states = torch.load(
+        newest / "deepspeed" / "policy" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+    )
+    assert model_states["global_steps"] == state["step"]
+    trained = [i for m in metrics for i in m["prompt_ids"] + m.get("filtered_prompt_ids", [])]
+    ledger = state["ledger"]
+    assert len(trained) == len(set(trained)) and not set(trained) & set(ledger["pending"])
+    assert set(trained) | set(ledger["pending"]) == set(range(ledger["next_id"]))
