@@ -70,6 +70,12 @@ class RunConfig(Section):
         ge=0,
         description="Checkpoint (DeepSpeed state + run state) every N steps, and at every stop (0: only then).",
     )
+    checkpoint_every_s: float = Field(
+        3600,
+        ge=0,
+        description="Also checkpoint when this many seconds have passed since the last checkpoint (0: off): "
+        "steps of long-reasoning jobs take minutes, so a step count alone can leave hours unsaved.",
+    )
     save_every: int = Field(
         0,
         ge=0,

@@ -59,6 +59,12 @@ class RunSaver:
         self.cfg, self.run, self.learner, self.progress = cfg, run, learner, progress
         self.run_state = run_state
         self.store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+        self.last_at = time.monotonic()  # the last checkpoint, or the start
+
+    def time_due(self) -> bool:
+        """``run.checkpoint_every_s`` has passed since the last checkpoint (or the start)."""
+        every_s = self.cfg.run.checkpoint_every_s
+        return bool(every_s) and time.monotonic() - self.last_at >= every_s
 
     async def checkpoint(self) -> None:
         progress = self.progress
@@ -70,6 +76,7 @@ class RunSaver:
         state = {"step": done, "version": done, **self.run_state()}
         progress.checkpoint, size = self.store.commit(partial, done, state)
         progress.checkpoint_s = time.monotonic() - t0
+        self.last_at = time.monotonic()
         self.run.say(f"checkpoint: {progress.checkpoint} ({size / 1e6:.1f} MB in {progress.checkpoint_s:.1f}s)")
 
     def checkpoint_due(self) -> bool:

@@ -61,8 +61,12 @@ class LearnerFailed(RuntimeError):
 CHECKPOINT_ON = (ActorFailed, DataTimeout, WeightsTimeout, WeightPushError)
 
 
-def resume_hint(run: RunLog) -> str:
-    return f"tandem train --resume {run.root}"
+def resume_hint(run: RunLog, progress: Progress) -> str:
+    """Where the run can go on from: its newest checkpoint and the command, or (none yet) that a
+    resume would find nothing."""
+    if progress.checkpoint is None:
+        return "no checkpoint yet, so nothing to resume: start the run again"
+    return f"checkpoint {progress.checkpoint}; resume with: tandem train --resume {run.root}"
 
 
 def _rank_name(exc: BaseException, learner, plan) -> str | None:
@@ -276,7 +280,7 @@ async def train(
                 if evaluator.due(progress.done, steps):
                     evaluator.start(progress.done, version=progress.done)
                 every = cfg.run.checkpoint_every
-                if every and progress.done % every == 0 and progress.done < steps:
+                if progress.done < steps and ((every and progress.done % every == 0) or saver.time_due()):
                     await saver.checkpoint()
             if evaluator.pending:  # the rounds still out (the last one at least) come back before the end
                 await collector.drain_eval(lambda: evaluator.pending, cfg.run.data_timeout_s)
@@ -301,15 +305,14 @@ async def train(
                 await asyncio.wait_for(saver.checkpoint(), cfg.run.startup_timeout_s)
             except Exception as ckpt_exc:  # the run's own error matters more
                 run.say(f"could not checkpoint: {type(ckpt_exc).__name__}: {ckpt_exc}")
-        raise type(exc)(f"{exc}; checkpointed at step {progress.done}; resume with: {resume_hint(run)}") from None
+        raise type(exc)(f"{exc}; {resume_hint(run, progress)}") from None
     except ray.exceptions.RayActorError as exc:
         name = _rank_name(exc, learner, plan)
         if name is None:
             raise
-        last = f"checkpoint {progress.checkpoint}" if progress.checkpoint else "no checkpoint yet"
         raise LearnerFailed(
             f"{name} died ({str(exc).strip().splitlines()[0][:160]}); its log: {run.log_path(name)}; "
-            f"{last}; resume with: {resume_hint(run)}"
+            f"{resume_hint(run, progress)}"
         ) from None
     finally:
         rollout.cancel()

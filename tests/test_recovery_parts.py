@@ -248,3 +248,46 @@ def test_a_policy_that_became_uniform_stops_the_run_but_one_that_starts_near_uni
     from_start = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=2, say=said.append)
     for step in range(4):  # uniform from the first step (nothing was learned yet): not a divergence
         from_start.check(step, groups, {"entropy": top, "uniform_entropy": top})
+
+
+# --- when to checkpoint, and what a failure offers -------------------------------------------------
+MINIMAL = ["model.path=x", "data.prompts=x", "reward.function=x"]
+
+
+def test_a_checkpoint_is_due_by_wall_time_since_the_last_one(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from launch.saving import Progress, RunSaver
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    cfg = load_config(None, [*MINIMAL, "run.checkpoint_every_s=600"])
+    saver = RunSaver(cfg, SimpleNamespace(root=tmp_path), None, Progress(), dict)
+    clock[0] += 599
+    assert not saver.time_due()
+    clock[0] += 1
+    assert saver.time_due()  # 600 s since the start
+    saver.last_at = clock[0]  # what a checkpoint sets
+    assert not saver.time_due()
+    assert load_config(None, MINIMAL).run.checkpoint_every_s == 3600
+    off = RunSaver(
+        load_config(None, [*MINIMAL, "run.checkpoint_every_s=0"]),
+        SimpleNamespace(root=tmp_path),
+        None,
+        Progress(),
+        dict,
+    )
+    clock[0] += 10**6
+    assert not off.time_due()
+
+
+def test_a_failure_before_any_checkpoint_does_not_offer_a_resume(tmp_path):
+    from types import SimpleNamespace
+
+    from launch.saving import Progress
+    from launch.train import resume_hint
+
+    run = SimpleNamespace(root=tmp_path)
+    assert resume_hint(run, Progress(done=3)) == "no checkpoint yet, so nothing to resume: start the run again"
+    hint = resume_hint(run, Progress(done=3, checkpoint=tmp_path / "checkpoints" / "step-2"))
+    assert hint == f"checkpoint {tmp_path / 'checkpoints' / 'step-2'}; resume with: tandem train --resume {tmp_path}"
