@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         help="YAML config file (with --resume: default the run's own config.yaml); several are merged in order",
     )
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
+    tr.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: accept settings that change what the steps mean (model, data, reward, rollout, "
+        "learner, algorithm); each segment's config is kept in RUN_DIR/configs/",
+    )
     tr.add_argument("--address", help="join this Ray cluster (host:port or 'auto') instead of starting a local Ray")
     tr.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. learner.lr=3e-4)")
     tiny = sub.add_parser("tiny-model", help="build the tiny random-init Qwen2 model and tokenizer")
@@ -266,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         if config is None and resume is None:
             parser.error("train needs --config FILE.yaml (or --resume RUN_DIR)")
         address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
-        return run_training(config, args.overrides + address, resume)
+        return run_training(
+            config, args.overrides + address, resume, allow_changes=getattr(args, "allow_changes", False)
+        )
     except user_errors() as exc:
         print(f"tandem: error: {error_message(exc)}", file=sys.stderr)
         return 2

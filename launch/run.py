@@ -18,6 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
+import yaml
+
 from cluster.logs import append_log
 from launch.config import ConfigError, load_config
 from launch.health import SignalWatch
@@ -136,18 +138,21 @@ def run_training(
     overrides: list[str],
     resume_dir: str | None = None,
     result: dict | None = None,
+    allow_changes: bool = False,
 ) -> int:
     """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists. The run
-    directory is locked while this runs (``launch/run_lock.py``): one writer at a time."""
+    directory is locked while this runs (``launch/run_lock.py``): one writer at a time. A resume may
+    change what its steps mean (model, data, reward, sampling, learner, algorithm) only with
+    ``allow_changes``."""
     locks: list = []
     try:
-        return _run_training(config_path, overrides, resume_dir, result, locks)
+        return _run_training(config_path, overrides, resume_dir, result, locks, allow_changes)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _run_training(config_path, overrides, resume_dir, result, locks: list) -> int:
+def _run_training(config_path, overrides, resume_dir, result, locks: list, allow_changes: bool) -> int:
     from actors.rewards import check_rewards
     from launch.build import prepare_model
     from launch.checkpoints import CheckpointError, CheckpointStore
@@ -155,7 +160,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list) -> in
     from launch.preflight import check_answers, check_prompt_lengths, preflight
     from launch.run_dir import RunLog, format_seconds, startup_phases
     from launch.run_lock import RunLock
-    from launch.saving import Resume, check_resumable
+    from launch.saving import Resume, check_config_changes, check_resumable
     from launch.stopping import StopRequest
     from launch.supervise import ActorKeepsFailing
     from launch.train import time_limit_s
@@ -186,6 +191,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list) -> in
     dumped = cfg.model_dump(mode="json")
     resume = None
     if resume_dir is not None:
+        check_config_changes(yaml.safe_load((root / "config.yaml").read_text()) or {}, dumped, allow_changes, tell)
         store = CheckpointStore(root, cfg.run.keep_checkpoints)
         checkpoint, state = store.newest(lambda text: print(text, file=sys.stderr))
         check_resumable(state, rows, cfg)

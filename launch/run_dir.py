@@ -66,6 +66,19 @@ def _keep_spans_before(path: Path, version: int) -> None:
         path.write_text("".join(json.dumps(s) + "\n" for s in spans if s.get("start", 0) < cut))
 
 
+def write_config(root: Path, config: dict[str, Any], first_step: int) -> None:
+    """``config.yaml``, the config the run trains with now, and ``configs/from-step-N.yaml``, the config of
+    the segment that starts at step ``N`` (a resume with other settings leaves the earlier ones there)."""
+    text = yaml.safe_dump(config, sort_keys=False)
+    history = root / "configs"
+    if not history.is_dir() and (root / "config.yaml").is_file():  # a run from before configs/ existed
+        history.mkdir()
+        (history / "from-step-0.yaml").write_text((root / "config.yaml").read_text())
+    history.mkdir(exist_ok=True)
+    (history / f"from-step-{first_step}.yaml").write_text(text)
+    (root / "config.yaml").write_text(text)
+
+
 class RunLog:
     """The run directory while a run trains: its JSONL record, the trackers (``run.trackers``) and
     the progress the user sees (``run.live``). ``settings`` is the run section (default: read from
@@ -134,7 +147,7 @@ class RunLog:
                 break
             except FileExistsError:
                 suffix += 1
-        (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        write_config(root, config, 0)
         return cls(root, total_steps, settings=settings, config=config)
 
     @classmethod
@@ -142,7 +155,7 @@ class RunLog:
         cls, root: Path, config: dict[str, Any], total_steps: int, first_step: int, settings: RunConfig | None = None
     ) -> RunLog:
         """A resumed run: the same directory, continued at ``first_step``."""
-        (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        write_config(root, config, first_step)
         return cls(root, total_steps, first_step=first_step, settings=settings, config=config)
 
     def process(self, name: str, info: dict[str, Any]) -> None:

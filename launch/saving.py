@@ -113,3 +113,46 @@ def check_resumable(state: dict[str, Any], rows: list[dict], cfg: TandemConfig) 
             f"the data order changed since the checkpoint ({then} then, {now} now); resume with the same "
             "data.prompts, run.seed and data.shuffle"
         )
+
+
+# What a resumed run may change freely: how it runs (placement, engine, weight channel, evaluation, the
+# run's length, checkpoints, logging, deadlines). Everything else decides what a step trains on and how.
+FREE_SECTIONS = ("resources", "engine", "weights", "eval", "run")
+MEANING_KEYS = ("run.seed",)  # the data order (also checked against the checkpoint's ledger)
+
+
+def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, then, now)`` for every setting that differs between two resolved configs."""
+    out = []
+    for key in sorted(set(then) | set(now), key=str):
+        a, b, name = then.get(key), now.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{name}.")
+        elif a != b:
+            out.append((name, a, b))
+    return out
+
+
+def changes_meaning(key: str) -> bool:
+    """A change of ``key`` changes what the run's steps mean (its model, data, reward, sampling,
+    learner or algorithm); deadlines (``*timeout_s``) never do."""
+    if key.rsplit(".", 1)[-1].endswith("timeout_s"):
+        return False
+    return key in MEANING_KEYS or key.split(".", 1)[0] not in FREE_SECTIONS
+
+
+def check_config_changes(then: dict[str, Any], now: dict[str, Any], allow: bool, say: Callable[[str], None]) -> None:
+    """A resume with another config: settings that change what the steps mean need ``allow``
+    (``--allow-changes``); the others are said and taken."""
+    changes = config_changes(then, now)
+    shown = [f"{key} {a!r} -> {b!r}" for key, a, b in changes]
+    meaning = [line for (key, _, _), line in zip(changes, shown) if changes_meaning(key)]
+    if meaning and not allow:
+        more = f" (and {len(meaning) - 3} more)" if len(meaning) > 3 else ""
+        raise CheckpointError(
+            f"the config changed what the run's steps mean: {', '.join(meaning[:3])}{more}; resume with the run's "
+            "own settings, or pass --allow-changes to train the remaining steps so (RUN_DIR/configs/ keeps each "
+            "segment's config)"
+        )
+    if shown:
+        say(f"resuming with changed settings: {', '.join(shown)}")

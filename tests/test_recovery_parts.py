@@ -291,3 +291,60 @@ def test_a_failure_before_any_checkpoint_does_not_offer_a_resume(tmp_path):
     assert resume_hint(run, Progress(done=3)) == "no checkpoint yet, so nothing to resume: start the run again"
     hint = resume_hint(run, Progress(done=3, checkpoint=tmp_path / "checkpoints" / "step-2"))
     assert hint == f"checkpoint {tmp_path / 'checkpoints' / 'step-2'}; resume with: tandem train --resume {tmp_path}"
+
+
+# --- a resume with another config ----------------------------------------------------------------
+def test_config_changes_are_dotted_and_only_meaning_ones_need_permission():
+    from launch.saving import changes_meaning, check_config_changes, config_changes
+
+    then = {"rollout": {"group_size": 8, "max_tokens": 64}, "run": {"steps": 60, "seed": 0}, "reward": {"timeout_s": 5}}
+    now = {"rollout": {"group_size": 4, "max_tokens": 64}, "run": {"steps": 90, "seed": 0}, "reward": {"timeout_s": 9}}
+    assert config_changes(then, now) == [
+        ("reward.timeout_s", 5, 9),
+        ("rollout.group_size", 8, 4),
+        ("run.steps", 60, 90),
+    ]
+    assert [changes_meaning(k) for k in ("rollout.group_size", "run.steps", "run.seed", "reward.timeout_s")] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert changes_meaning("learner.lr") and changes_meaning("algorithm.name") and changes_meaning("model.path")
+    assert not changes_meaning("resources.actors.count") and not changes_meaning("eval.every")
+    said: list[str] = []
+    with pytest.raises(CheckpointError) as refused:
+        check_config_changes(then, now, False, said.append)
+    assert str(refused.value).startswith("the config changed what the run's steps mean: rollout.group_size 8 -> 4;")
+    assert "--allow-changes" in str(refused.value) and not said
+    check_config_changes(then, now, True, said.append)
+    assert said == [
+        "resuming with changed settings: reward.timeout_s 5 -> 9, rollout.group_size 8 -> 4, run.steps 60 -> 90"
+    ]
+    said.clear()
+    check_config_changes(then, {**then, "run": {"steps": 90, "seed": 0}}, False, said.append)  # longer: free
+    assert said == ["resuming with changed settings: run.steps 60 -> 90"]
+
+
+def test_a_resume_that_changes_the_group_size_is_refused_before_anything_starts(tmp_path, tiny_model_dir, capsys):
+    from launch.cli import main
+    from launch.run_dir import write_config
+
+    cfg = load_config(
+        None, [f"model.path={tiny_model_dir}", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
+    )
+    old = tmp_path / "old-run"  # a run from before configs/ existed, resumed at step 5
+    old.mkdir()
+    (old / "config.yaml").write_text("old")
+    write_config(old, cfg.model_dump(mode="json"), 5)
+    assert (old / "configs" / "from-step-0.yaml").read_text() == "old"
+    assert (old / "configs" / "from-step-5.yaml").read_text() == (old / "config.yaml").read_text() != "old"
+    root = tmp_path / "run"
+    root.mkdir()
+    write_config(root, cfg.model_dump(mode="json"), 0)
+    saved = (root / "config.yaml").read_text()
+    assert main(["train", "--resume", str(root), "rollout.group_size=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tandem: error: the config changed what the run's steps mean: rollout.group_size 8 -> 4;")
+    assert (root / "config.yaml").read_text() == saved  # the record still says how the steps were trained
+    assert sorted(p.name for p in (root / "configs").iterdir()) == ["from-step-0.yaml"]
