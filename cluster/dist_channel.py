@@ -30,11 +30,20 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from cluster.buckets import DEFAULT_BUCKET_BYTES, PushHeader, lone_tensor, pack_bucket, plan_buckets
 from cluster.channel import NamedTensors
-from cluster.dist_group import abort, broadcast_all, build_group, device_of, left, short, wait_keys
+from cluster.dist_group import (
+    abort,
+    bound_store,
+    broadcast_all,
+    build_group,
+    device_of,
+    left,
+    listening_socket,
+    short,
+    wait_keys,
+)
 
 if TYPE_CHECKING:
     from cluster.dist_receiver import DistReceiver, DistReceiverHandle
@@ -115,8 +124,8 @@ class DistPublisher:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.bucket_bytes, self.backend, self.heartbeat_s = bucket_bytes, backend, heartbeat_s
         self.world_size = world_size
-        self._store = dist.TCPStore(
-            host, port, None, True, timedelta(seconds=connect_timeout_s), wait_for_workers=False
+        self._store = bound_store(
+            listening_socket(host, port), None, timedelta(seconds=connect_timeout_s), wait_for_workers=False
         )
         self.host, self.port = host, self._store.port
         self._names = {r: f"rank {r}" for r in range(1, world_size)}  # rank -> receiver name, once joined

@@ -17,6 +17,24 @@ import torch
 import torch.distributed as dist
 
 
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host`` only (127.0.0.1 for a local run, the node's cluster address on
+    a cluster), for ``bound_store``."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
+
+
+def bound_store(sock: socket.socket, world_size: int | None, timeout: timedelta, **options) -> dist.TCPStore:
+    """The server side of a ``TCPStore`` on ``sock`` (``listening_socket``). torch's own server listens
+    on every interface, unauthenticated; handed a bound socket it listens where that one does. The
+    store owns the socket from here on."""
+    host, port = sock.getsockname()[:2]
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach(), **options)
+
+
 def address_towards(host: str) -> str:
     """This machine's address on the route to ``host`` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

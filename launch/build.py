@@ -7,6 +7,7 @@ the plan (``launch/plan.py``, ``cluster/placement.py``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import signal
@@ -61,6 +62,17 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
     check_fits(kinds, ray.available_resources())
 
 
+def _private_token() -> None:
+    """Ray writes its cluster token (``~/.ray/auth_token``) readable by every user of the machine:
+    anyone holding it can run code in the cluster. Only its owner may read it."""
+    path = Path.home() / ".ray" / "auth_token"
+    try:
+        if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError:
+        pass  # no token file (authentication off): nothing to protect
+
+
 def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
     import ray
 
@@ -80,6 +92,9 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
         # workers Ray starts with the node then serve the queue actors (a runtime env would need
         # new ones, each started through Ray's runtime-env setup, seconds of start-up on 2 cores).
         python_path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+        # Token authentication is Ray's default for a local cluster: its warning saying so at every
+        # start is noise around the lines that matter.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         try:
             with reaper.marked_environment(token, PYTHONPATH=python_path):
                 ray.init(
@@ -89,6 +104,7 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
                 )
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = clusters
+        _private_token()
         # a watchdog that ends the session's processes if this process dies without ray.shutdown
         node = ray._private.worker._global_node
         gcs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER)

@@ -23,6 +23,7 @@ from typing import Any
 
 from cluster.channel import WeightPublisher, WeightReceiver, open_weight_publisher
 from cluster.config import WeightsConfig
+from cluster.dist_group import bound_store, listening_socket
 from cluster.logs import redirect_output
 from cluster.timeline import Spans
 from learner import saving
@@ -114,15 +115,12 @@ class LearnerWorker:
         self.spans = Spans(name or f"learner-{rank}")  # returned by publish_weights, once a step
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a free port: rank 0's answer becomes every rank's MASTER_ADDR/PORT."""
-        import socket
-
+        """This node's IP and a port listening there only (kept for ``setup``, where rank 0 serves the
+        group's store on it): rank 0's answer becomes every rank's MASTER_ADDR/PORT."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        self._listener = listening_socket(ray.util.get_node_ip_address())
+        return self._listener.getsockname()[:2]
 
     def setup(self, master_addr: str, master_port: int, spec: RankSpec) -> dict[str, Any]:
         """Join the process group and build this process's models (all ranks of a group call it
@@ -198,8 +196,19 @@ class LearnerWorker:
             # and with it loaded ZeRO-3 runs sometimes aborted at exit; gloo alone is enough here.
             # (importlib: the package attribute deepspeed.comm.torch is PyTorch itself, not the submodule)
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        # every collective of the group (ZeRO's, the export's, the checkpoint's) gets this deadline
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        import torch.distributed as dist
+
+        # The group's store: rank 0 serves it on the socket bound in rendezvous_address (torch's env://
+        # rendezvous would listen on every interface); DeepSpeed then takes the initialised group.
+        # Every collective of the group (ZeRO's, the export's, the checkpoint's) gets this deadline.
+        timeout, backend = timedelta(seconds=timeout_s), "nccl" if cuda else "gloo"
+        listener = getattr(self, "_listener", None)
+        if self.rank == 0 and listener is not None:
+            store = bound_store(listener, self.world_size, timeout)
+        else:
+            store = dist.TCPStore(master_addr, master_port, self.world_size, False, timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
 
     def _engine(self, model, learner: LearnerConfig, lr: float, dtype: str, total_updates: int):
         import deepspeed
