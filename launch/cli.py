@@ -147,6 +147,17 @@ def _add_launchers(sub) -> None:
     sb.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: here)")
     sb.add_argument("--no-follow", action="store_true", help="return after submitting")
     sb.add_argument("--timeout", type=float, help="stop the job after this many seconds")
+    sb.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also ship this file or folder of --working-dir (repeat); by default: what git tracks, the config "
+        "and the files it names",
+    )
+    sb.add_argument(
+        "--dry-run", action="store_true", help="print the files that would ship, with sizes; submit nothing"
+    )
     sb.add_argument("overrides", nargs="*", help="config overrides, key=value")
 
 
@@ -234,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                 working_dir=args.working_dir,
                 follow=not args.no_follow,
                 timeout_s=args.timeout,
+                includes=args.include,
+                dry_run=args.dry_run,
             )
-            return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
+            return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING", "DRY_RUN") else 1
         if args.command == "check-data":  # before any Ray or vLLM: it imports neither
             from launch.check_data import check_data
 

@@ -22,41 +22,9 @@ from urllib.parse import urlsplit
 
 from cluster.placement import explain_sum, required_resources
 from launch.config import TandemConfig, parse_overrides
+from launch.package import Package, plan_package, staged
 from launch.plan import build_plan
 
-# Never shipped to the cluster (gitignore patterns, as Ray's runtime_env ``excludes`` reads them): secrets
-# and keys, the local environment, earlier runs, history, caches and bytecode.
-WORKING_DIR_EXCLUDES = [
-    # secrets: dotenv files, private keys and certificates, credential files
-    ".env",
-    ".env.*",
-    ".envrc",
-    ".netrc",
-    "*.pem",
-    "*.key",
-    "*.p12",
-    "*.pfx",
-    "id_rsa*",
-    "id_dsa*",
-    "id_ecdsa*",
-    "id_ed25519*",
-    "credentials*.json",
-    ".ssh",
-    ".aws",
-    # local state: virtual environments, version control, run directories
-    ".venv",
-    "venv",
-    ".git",
-    "runs",
-    # caches and bytecode
-    "__pycache__",
-    "*.pyc",
-    ".pytest_cache",
-    ".ruff_cache",
-    ".mypy_cache",
-    ".import_linter_cache",
-    "*.egg-info",
-]
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 PROBE_TIMEOUT_S = 3.0
 
@@ -151,14 +119,19 @@ def _use_auth_token_if_any() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def build_job(config_path: str, overrides: list[str], working_dir: str) -> tuple[str, dict[str, Any]]:
-    """The Ray job: (entrypoint, runtime_env). The config travels inside the working directory.
+def build_job(
+    config_path: str, overrides: list[str], working_dir: str, includes: list[str] | None = None
+) -> tuple[str, Package]:
+    """The Ray job: its entrypoint, and the files it ships (``launch/package.py``). The config travels
+    inside the working directory.
 
     ``python -m launch.cli`` rather than the ``tandem`` script: the job's current directory is the uploaded
     working directory, and ``-m`` puts it first on ``sys.path``, so the uploaded code runs even where an
     older Tandem is installed. ``resources.address=auto`` joins the cluster the job runs in (Ray sets
     ``RAY_ADDRESS`` for the driver; an empty address would try to start a local Ray).
     """
+    from launch.config import load_config
+
     root = Path(working_dir).resolve()
     if not root.is_dir():
         raise LaunchError(f"working dir {working_dir} is not a directory; pass the Tandem checkout to --working-dir")
@@ -167,7 +140,11 @@ def build_job(config_path: str, overrides: list[str], working_dir: str) -> tuple
         raise LaunchError(f"config {config_path} is outside the working dir {root}; move it inside so it ships")
     config_in_job = str(config.relative_to(root))  # the job runs in the uploaded copy of root
     entrypoint = train_command(config_in_job, overrides, "resources.address=auto", program="python -m launch.cli")
-    return entrypoint, {"working_dir": str(root), "excludes": list(WORKING_DIR_EXCLUDES)}
+    dumped = load_config(config_path, overrides).model_dump(mode="json")
+    try:
+        return entrypoint, plan_package(root, config, dumped, includes or [])
+    except FileNotFoundError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def submit(
@@ -178,13 +155,19 @@ def submit(
     working_dir: str,
     follow: bool = True,
     timeout_s: float | None = None,
+    includes: list[str] | None = None,
+    dry_run: bool = False,
 ) -> str:
     """Submit ``tandem train --config F <overrides>`` to the Ray cluster at ``address`` (its dashboard,
     ``http://<head>:8265``) and return the job status: the final one when ``follow`` (logs are streamed
     until the job ends), else the status right after submission. With ``timeout_s`` the job is stopped
-    and ``SubmitError`` raised once that many seconds pass.
+    and ``SubmitError`` raised once that many seconds pass. ``dry_run``: print the files that would
+    ship, with sizes, and contact no cluster.
     """
-    entrypoint, runtime_env = build_job(config_path, overrides, working_dir)
+    entrypoint, package = build_job(config_path, overrides, working_dir, includes)
+    if dry_run:
+        print(f"{package.describe()}\nwould run: {entrypoint}", flush=True)
+        return "DRY_RUN"
     url = dashboard_url(address)
     _probe(url)
     from ray.exceptions import RayError
@@ -197,7 +180,11 @@ def submit(
         raise SubmitError(_unreachable(url, exc)) from None
     except RayError as exc:  # AuthenticationError: a missing or wrong token, Ray's message says where to put it
         raise SubmitError(f"the Ray job server at {url} refused the request: {exc}") from None
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    with staged(package) as directory:  # Ray packages and uploads it during the call
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": directory})
+    print(f"shipped {len(package.files)} files ({sum(package.files.values()) / 1e6:.1f} MB)", flush=True)
+    for path, why in sorted(package.left_out.items()):
+        print(f"left out: {path} ({why})", flush=True)
     print(f"submitted job {job_id} to {url}: {entrypoint}", flush=True)
     if not follow:
         print(f"follow it with: ray job logs --address {url} --follow {job_id}", flush=True)

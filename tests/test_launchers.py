@@ -17,10 +17,8 @@ from launch.config import load_config
 from launch.k8s import render_rayjob
 from launch.slurm import render_sbatch
 from launch.submit import (
-    WORKING_DIR_EXCLUDES,
     LaunchError,
     SubmitError,
-    build_job,
     follow_job,
     submit,
     train_command,
@@ -294,78 +292,11 @@ def test_train_command_quotes_every_user_value():
     assert train_command("a b.yaml", ["x=1", "y=$HOME"], None) == "tandem train --config 'a b.yaml' x=1 'y=$HOME'"
 
 
-def test_job_ships_the_working_dir_without_local_state(tmp_path, monkeypatch):
-    (tmp_path / "configs" / "sub").mkdir(parents=True)
-    (tmp_path / "configs" / "g.yaml").write_text("{}")
-    monkeypatch.chdir(tmp_path)
-    entrypoint, runtime_env = build_job("configs/g.yaml", OVERRIDES, str(tmp_path))
-    assert entrypoint == (
-        "python -m launch.cli train --config configs/g.yaml resources.address=auto "
-        "'run.name=my run' 'run.output_dir=$(touch pwned)'"
-    )
-    assert runtime_env == {"working_dir": str(tmp_path), "excludes": WORKING_DIR_EXCLUDES}
-    with pytest.raises(LaunchError, match="outside the working dir"):
-        build_job(str(tmp_path / "configs" / "g.yaml"), [], str(tmp_path / "configs" / "sub"))
-
-
-# Never uploaded: secrets, local environments, history, run directories, caches (each at the top and nested).
-LEFT_OUT = [
-    ".env",
-    ".env.production",
-    "configs/.env",
-    ".envrc",
-    ".netrc",
-    "server.pem",
-    "certs/tls.key",
-    "client.p12",
-    "id_rsa",
-    "id_rsa.pub",
-    "keys/id_ed25519",
-    "id_ecdsa",
-    "credentials.json",
-    "credentials-gcp.json",
-    ".ssh/config",
-    ".aws/credentials",
-    ".git/config",
-    ".venv/bin/python",
-    "venv/bin/python",
-    "runs/demo-20250101/metrics.jsonl",
-    "actors/__pycache__/rewards.cpython-311.pyc",
-    ".pytest_cache/v/cache/lastfailed",
-    ".ruff_cache/CACHEDIR.TAG",
-    "tandem_rl.egg-info/PKG-INFO",
-]
-SHIPPED = [
-    "launch/cli.py",
-    "configs/grpo.yaml",
-    "data/prompts.jsonl",
-    "rewards/my_reward.py",
-    "tests/runs.py",
-    "README.md",
-    ".gitignore",
-    "environment.yaml",
-    "keyboard.py",
-]
-
-
-def test_working_dir_excludes_leave_out_secrets_environments_and_runs(tmp_path):
-    # Ray's own matcher for runtime_env excludes (gitignore patterns, relative to the working dir).
-    from ray._private.runtime_env.packaging import _get_excludes
-
-    excluded = _get_excludes(tmp_path, WORKING_DIR_EXCLUDES)
-
-    def left_out(relative: str) -> bool:  # Ray skips a directory that matches, and everything under it
-        parts = Path(relative).parts
-        return any(excluded(tmp_path.joinpath(*parts[: i + 1])) for i in range(len(parts)))
-
-    assert [f for f in LEFT_OUT if not left_out(f)] == []
-    assert [f for f in SHIPPED if left_out(f)] == []
-
-
 def test_submit_to_an_unreachable_address_fails_fast(tmp_path, monkeypatch):
     for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
-    (tmp_path / "g.yaml").write_text("{}")
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"prompts": "d.jsonl"},
+                                                      "reward": {"function": "builtin:successor"}}))  # fmt: skip
     started = time.monotonic()
     with pytest.raises(SubmitError) as err:
         submit("http://127.0.0.1:1", str(tmp_path / "g.yaml"), [], working_dir=str(tmp_path))

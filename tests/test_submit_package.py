@@ -1,0 +1,111 @@
+"""What ``tandem submit`` ships (issue 26, item 8): an allowlist (what git tracks, the config and the
+files it names, explicit includes), never the credentials a working directory collects; ``--dry-run``
+lists the exact files with sizes. Tested on a checkout full of bait files."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.cli import main
+from launch.package import plan_package, staged
+from launch.submit import LaunchError, build_job
+
+# Bait: credentials of every kind a working directory collects, none tracked by git.
+BAIT = [
+    ".git-credentials",
+    ".kube/config",
+    ".docker/config.json",
+    ".config/gcloud/application_default_credentials.json",
+    ".npmrc",
+    ".pypirc",
+    ".htpasswd",
+    "secrets/db-password.txt",
+    "service-account.json",
+    "gcp-key.json",
+    "hf_token.txt",
+    "prod.env",
+    ".env",
+    ".ssh/id_ed25519",
+    ".aws/credentials",
+    "notes/scratch.txt",  # not a secret, just not part of the job: untracked, unnamed
+    ".venv/bin/python",
+    "runs/demo-20250101/metrics.jsonl",
+]
+TRACKED = ["launch/cli.py", "actors/rewards.py", "configs/grpo.yaml", "README.md", "pyproject.toml"]
+CONFIG = {
+    "model": {"path": "Qwen/Qwen2.5-0.5B"},
+    "data": {"prompts": "data/train.jsonl"},  # untracked: named by the config, so it ships
+    "reward": {"function": "rewards/mine.py:score"},  # the file part of file.py:function
+    "eval": {"prompts": "data/heldout"},  # a folder
+}
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    root = tmp_path / "work"
+    for name in TRACKED + BAIT + ["data/train.jsonl", "rewards/mine.py", "data/heldout/part-0.jsonl"]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"contents of {name}\n")
+    (root / "configs" / "job.yaml").write_text(yaml.safe_dump(CONFIG))
+    (root / "deploy.env").write_text("TOKEN=committed by mistake\n")
+    git(root, "init", "-q")
+    git(root, "add", *TRACKED, "deploy.env")
+    return root
+
+
+def test_the_package_is_tracked_files_the_config_and_what_it_names_never_the_bait(checkout):
+    _, package = build_job(str(checkout / "configs" / "job.yaml"), [], str(checkout))
+    assert sorted(package.files) == sorted(
+        TRACKED + ["configs/job.yaml", "data/train.jsonl", "rewards/mine.py", "data/heldout/part-0.jsonl"]
+    )
+    assert not set(package.files) & set(BAIT)
+    # tracked, but named like a secret: left out, and said
+    assert package.left_out == {"deploy.env": "looks like a secret; --include it by name to ship it"}
+    assert package.files["README.md"] == len("contents of README.md\n")
+    with staged(package) as directory:  # what Ray packages: exactly these files
+        shipped = sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file())
+        assert shipped == sorted(package.files)
+        assert (Path(directory) / "rewards" / "mine.py").read_text() == "contents of rewards/mine.py\n"
+    assert not Path(directory).exists()
+
+
+def test_includes_add_files_and_a_secret_ships_only_when_named(checkout):
+    config = checkout / "configs" / "job.yaml"
+    package = plan_package(checkout, config, CONFIG, ["notes", "deploy.env"])
+    assert "notes/scratch.txt" in package.files and "deploy.env" in package.files and not package.left_out
+    with pytest.raises(LaunchError, match="--include nowhere: no such file or folder inside"):
+        build_job(str(config), [], str(checkout), ["nowhere"])
+
+
+def test_without_git_tandems_own_tree_ships(checkout):
+    import shutil
+
+    shutil.rmtree(checkout / ".git")
+    package = plan_package(checkout, checkout / "configs" / "job.yaml", CONFIG, [])
+    assert {"launch/cli.py", "actors/rewards.py", "configs/grpo.yaml", "pyproject.toml"} <= set(package.files)
+    assert "README.md" not in package.files and not set(package.files) & set(BAIT)
+
+
+def test_dry_run_prints_the_exact_list_with_sizes_and_contacts_nothing(checkout, capsys, monkeypatch):
+    monkeypatch.chdir(checkout)
+    code = main(
+        ["submit", "--config", "configs/job.yaml", "--address", "http://127.0.0.1:1", "--working-dir", ".", "--dry-run"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out.splitlines()
+    listed = [line.split()[-1] for line in out if line.strip() and line.split()[0].replace(",", "").isdigit()]
+    assert sorted(listed[:-1]) == sorted(
+        TRACKED + ["configs/job.yaml", "data/train.jsonl", "rewards/mine.py", "data/heldout/part-0.jsonl"]
+    )
+    assert any(line.strip().startswith(f"{len('contents of README.md') + 1}  README.md") for line in out)
+    assert any(line.endswith(f"bytes in 9 files from {checkout}") for line in out)
+    assert "left out: deploy.env (looks like a secret; --include it by name to ship it)" in out
+    assert out[-1].startswith("would run: python -m launch.cli train --config configs/job.yaml")
