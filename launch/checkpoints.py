@@ -102,6 +102,14 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
         return final, manifest["bytes"]
 
+    def clear_partials(self) -> list[str]:
+        """Remove checkpoints a stopped process left half-built (``.partial-step-N``, never resumable);
+        their names. Called by the run directory's one writer (``launch/run_lock.py``) as it starts."""
+        partials = sorted(self.root.glob(".partial-step-*")) if self.root.is_dir() else []
+        for partial in partials:
+            shutil.rmtree(partial, ignore_errors=True)
+        return [p.name for p in partials]
+
     def newest(self, say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
         """The newest checkpoint whose files match its manifest, and its run state."""
         candidates = self.all()

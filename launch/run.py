@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import time
 import traceback
@@ -100,6 +101,18 @@ def attach_driver_log(run, early: list[str] | None = None) -> Path:
         append_log(log, line)
     run.view = DriverView(run.view, log, [SignalWatch()])
     return log
+
+
+def aborted_summary(run, started: float, restarts: int):
+    """What a second signal (stop at once, no checkpoint) still writes: ``summary.json`` saying so."""
+
+    def write(signal_name: str) -> None:
+        summary = {**reward_summary(run.root / "metrics.jsonl"), "status": f"aborted ({signal_name} twice)"}
+        summary.update(restarts=restarts, wall_s=round(time.monotonic() - started, 1))
+        summary["error"] = "stopped at once by a second signal: no checkpoint of the steps since the last one"
+        (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    return write
 
 
 class UnexpectedError(RuntimeError):
@@ -193,6 +206,9 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     if resume_dir is not None:
         check_config_changes(yaml.safe_load((root / "config.yaml").read_text()) or {}, dumped, allow_changes, tell)
         store = CheckpointStore(root, cfg.run.keep_checkpoints)
+        for name in store.clear_partials():
+            tell(f"removed {name}: a checkpoint left half-written when the run was stopped")
+        shutil.rmtree(root / ".partial-model", ignore_errors=True)
         checkpoint, state = store.newest(lambda text: print(text, file=sys.stderr))
         check_resumable(state, rows, cfg)
         resume = Resume(checkpoint, state)
@@ -208,7 +224,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     status, error, restarts = "failed", None, 0
     try:
         while True:
-            stop = StopRequest(run.say, time_limit_s(cfg), started)
+            stop = StopRequest(run.say, time_limit_s(cfg), started, on_abort=aborted_summary(run, started, restarts))
             try:
                 progress = asyncio.run(_train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows))
                 break

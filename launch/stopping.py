@@ -19,8 +19,15 @@ EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
 class StopRequest:
-    def __init__(self, say: Callable[[str], None], time_limit_s: float | None = None, started: float | None = None):
+    def __init__(
+        self,
+        say: Callable[[str], None],
+        time_limit_s: float | None = None,
+        started: float | None = None,
+        on_abort: Callable[[str], None] | None = None,
+    ):
         self.say = say
+        self.on_abort = on_abort  # the second signal: what must still be written before the process ends
         self.time_limit_s = time_limit_s
         self.started = time.monotonic() if started is None else started
         self.reason: str | None = None  # "SIGINT", "SIGTERM" or "time_limit"
@@ -50,7 +57,11 @@ class StopRequest:
     def _received(self, sig: signal.Signals) -> None:
         if self.reason in EXIT_CODES:  # the second one: no checkpoint, no waiting
             self.say(f"{sig.name} again: stopping now, without a checkpoint")
-            os._exit(EXIT_CODES[sig.name])  # Ray's processes go with the driver (launch/reaper.py)
+            try:
+                if self.on_abort is not None:
+                    self.on_abort(sig.name)
+            finally:
+                os._exit(EXIT_CODES[sig.name])  # Ray's processes go with the driver (launch/reaper.py)
         self.request(sig.name)
         self.say(
             f"{sig.name}: finishing the current step, then checkpointing and stopping "

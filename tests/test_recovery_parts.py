@@ -348,3 +348,35 @@ def test_a_resume_that_changes_the_group_size_is_refused_before_anything_starts(
     assert err[-1].startswith("tandem: error: the config changed what the run's steps mean: rollout.group_size 8 -> 4;")
     assert (root / "config.yaml").read_text() == saved  # the record still says how the steps were trained
     assert sorted(p.name for p in (root / "configs").iterdir()) == ["from-step-0.yaml"]
+
+
+# --- a second signal, and what it leaves -----------------------------------------------------------
+def test_a_second_signal_writes_an_aborted_summary_then_exits(tmp_path, monkeypatch):
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from launch.run import aborted_summary
+
+    (tmp_path / "metrics.jsonl").write_text('{"reward_mean": 0.5}\n{"reward_mean": 0.7}\n')
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    said: list[str] = []
+    stop = StopRequest(said.append, on_abort=aborted_summary(SimpleNamespace(root=tmp_path), time.monotonic(), 0))
+    stop._received(signal.SIGINT)
+    assert stop.reason == "SIGINT" and not exits and not (tmp_path / "summary.json").exists()
+    stop._received(signal.SIGINT)
+    assert exits == [130]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "aborted (SIGINT twice)" and summary["steps"] == 2
+    assert "no checkpoint" in summary["error"]
+
+
+def test_half_written_checkpoints_are_cleared_by_the_next_start(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    store.begin(4)  # what a second Ctrl-C or kill -9 during a checkpoint leaves
+    (tmp_path / "checkpoints" / ".partial-step-4" / "half").write_text("x")
+    complete = store.begin(2)
+    store.commit(complete, 2, {"step": 2})
+    assert store.clear_partials() == [".partial-step-4"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
