@@ -65,7 +65,7 @@ class StopRequest:
         self.request(sig.name)
         self.say(
             f"{sig.name}: finishing the current step, then checkpointing and stopping "
-            f"(press Ctrl-C again to stop at once)"
+            "(a second Ctrl-C or SIGTERM stops at once, without a checkpoint)"
         )
 
     def request(self, reason: str) -> None:

@@ -65,6 +65,19 @@ class LoadedRows:
         return f"{name}: skipped {self.dropped_count} of {self.total} rows: {self.reasons()}"
 
 
+def check_utf8(path: Path, what: str) -> None:
+    """A one-line ``DatasetError`` naming the first line of a text file that is not UTF-8."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{what} {path} line {lineno} is not UTF-8 text (byte {exc.object[exc.start]:#04x} cannot be "
+                    "decoded); save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 OLD > NEW)"
+                ) from None
+
+
 def load_table(source: str, split: str, subset: str | None, what: str = "data.prompts"):
     """A ``datasets.Dataset`` from a file, a directory (``save_to_disk`` output or a dataset folder) or a
     hub name; a one-line ``DatasetError`` naming ``what`` and the fix otherwise."""
@@ -81,6 +94,8 @@ def load_table(source: str, split: str, subset: str | None, what: str = "data.pr
                     f"{what} {path} has the suffix {path.suffix or '(none)'!r}; give a .jsonl, .json, .parquet, "
                     ".csv or .arrow file, a dataset directory or a Hugging Face dataset name"
                 )
+            if builder in ("json", "csv"):
+                check_utf8(path, what)  # pyarrow reads bad bytes into its table and fails later, far away
             return _pick_split(datasets.load_dataset(builder, data_files=str(path)), "train", what, path)
         if path.is_dir():
             if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():

@@ -219,3 +219,21 @@ def test_a_by_source_entry_no_row_has_is_said_at_load(tmp_path):
     line = unmatched_sources(cfg, load_run_rows(cfg, lambda line: None)[0])
     assert line.startswith("by_source of the reward lists data_source 'gsm8k', which no row has")
     assert line.endswith("the rows have: math_dapo, openai/gsm8k")
+
+
+@pytest.mark.parametrize("suffix,body,line", [
+    (".jsonl", b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n', 2),
+    (".csv", b"prompt,answer\ncaf\xe9,2\n", 2),
+])  # fmt: skip
+def test_a_file_that_is_not_utf8_is_one_line_naming_its_line(tmp_path, suffix, body, line):
+    # pyarrow read the bad bytes and failed later in a 42-line traceback (issue 26, item 9)
+    from queues.sources import load_table
+
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(body)
+    with pytest.raises(DatasetError) as err:
+        load_table(str(path), "train", None)
+    assert str(err.value) == (
+        f"data.prompts {path} line {line} is not UTF-8 text (byte 0xe9 cannot be decoded); save the file as UTF-8 "
+        "(for example: iconv -f latin1 -t utf-8 OLD > NEW)"
+    )
