@@ -12,7 +12,11 @@ Every wait has a deadline:
     (and its process group) is killed and replaced, and every sample of the call scores 0.0 with the
     error "TimeoutError: ...", counted like any reward error;
   - a worker that dies mid-call is replaced the same way ("RewardWorkerDied: ...");
-  - waiting for a free worker is bounded by the calls ahead of it times one call's longest time.
+  - waiting for a free worker is bounded by the calls ahead of it times one call's longest time;
+  - a reward that hangs on every call costs one deadline per batch of calls, not one per call: once
+    the last ``reward.workers`` calls in a row have all timed out, a call that was waiting for a worker
+    while that happened is not attempted ("TimeoutError: not attempted ...", scored 0.0); calls that
+    arrive later (the next step's) are tried again.
 A worker ends itself when its actor's process goes away (even by SIGKILL), and ``close`` ends all.
 """
 
@@ -152,6 +156,8 @@ class RewardPool:
         self._busy = self._waiting = 0
         self._closed = False
         self.replaced = 0  # workers replaced after a timeout or a death
+        self._timeouts = 0  # calls that ran past reward.timeout_s, ever
+        self._streak = 0  # ... in a row, up to the last call that was answered
         for _ in range(cfg.workers):
             self._idle.append(self._spawn())
         self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reward-wait")  # async/batched waits
@@ -175,12 +181,27 @@ class RewardPool:
         """The longest one call can hold a worker: loading a fresh worker, the call, and a kill."""
         return self.cfg.import_timeout_s + self.cfg.timeout_s + KILL_GRACE_S
 
-    def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[SampleScore]:
-        """Every part's value for each completion (one call, one worker)."""
+    def score(
+        self, prompts: list[str], completions: list[str], rows: list[dict], asked_at: int | None = None
+    ) -> list[SampleScore]:
+        """Every part's value for each completion (one call, one worker). ``asked_at``: the pool's timeout
+        count when the call was made (it may have waited for a thread before coming here)."""
+        seen = self._timeouts if asked_at is None else asked_at
         worker = self._acquire()
         if isinstance(worker, str):
             return self._failed(worker, len(completions))
+        if self._timeouts != seen and self._streak >= self.cfg.workers:  # it hangs on every call
+            self._release(worker, healthy=True)
+            return self._failed(
+                f"TimeoutError: not attempted: the last {self._streak} reward calls each ran past reward.timeout_s "
+                f"= {self.cfg.timeout_s:g} s while this one waited (the reward seems to hang on every call)",
+                len(completions),
+            )
         answer = worker.call((prompts, completions, rows), self.cfg.timeout_s, self.cfg.import_timeout_s)
+        timed_out = isinstance(answer, str) and answer.startswith("TimeoutError: reward call took longer")
+        with self._cond:
+            self._timeouts += timed_out
+            self._streak = self._streak + 1 if timed_out else 0
         self._release(worker, healthy=not isinstance(answer, str))
         return self._failed(answer, len(completions)) if isinstance(answer, str) else answer
 
@@ -188,11 +209,13 @@ class RewardPool:
         """Several calls at once, spread over the workers."""
         if len(calls) == 1:
             return [self.score(*calls[0])]
-        return list(self._executor.map(lambda call: self.score(*call), calls))
+        asked_at = self._timeouts
+        return list(self._executor.map(lambda call: self.score(*call, asked_at), calls))
 
     async def score_async(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[SampleScore]:
         """``score`` without blocking the event loop (the wait runs on the pool's own threads)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.score, prompts, completions, rows)
+        loop, asked_at = asyncio.get_running_loop(), self._timeouts
+        return await loop.run_in_executor(self._executor, self.score, prompts, completions, rows, asked_at)
 
     def _failed(self, error: str, n: int) -> list[SampleScore]:
         return [SampleScore(parts=[0.0] * len(self.cfg.function_parts), error=error) for _ in range(n)]

@@ -71,6 +71,30 @@ def test_a_hanging_call_is_abandoned_within_the_deadline_counted_and_the_next_ca
         pool.close()
 
 
+def test_a_reward_that_hangs_on_every_call_costs_one_deadline_per_batch_not_one_per_call(reward_file):
+    # 8 calls of one step, 2 workers, a reward that hangs on everything: one call at a time per worker
+    # took 4 deadlines (a run stopped after 13 minutes); now the first two time out side by side and the
+    # six that waited behind them are not attempted. The next batch is tried again.
+    pool = _pool(reward_file, timeout_s=1.0, workers=2)
+    try:
+        calls = [(["p"], ["hang"], [{}])] * 8
+        start = time.monotonic()
+        scores = pool.score_many(calls)
+        took = time.monotonic() - start
+        errors = [call[0].error for call in scores]
+        assert sum(e.startswith("TimeoutError: reward call took longer") for e in errors) == 2
+        assert (
+            sum(e.startswith("TimeoutError: not attempted: the last 2 reward calls each ran past") for e in errors) == 6
+        )
+        assert took < 2 * 1.0 + 5.0  # one deadline (and the kills), not four
+        pool.wait_ready()  # the replacements have loaded
+        assert _rewards(pool, ["abc"]) == ([3.0], [None])  # a later call is tried, and a good one answers
+        mixed = pool.score_many([(["p"], ["ab"], [{}]), (["p"], ["hang"], [{}]), (["p"], ["abcd"], [{}])])
+        assert [c[0].parts[0] for c in mixed] == [2.0, 0.0, 4.0]  # one hang alone spoils nothing else
+    finally:
+        pool.close()
+
+
 def test_a_reward_that_raises_scores_zero_with_its_error_and_a_worker_that_exits_is_replaced(reward_file):
     pool = _pool(reward_file)
     try:
