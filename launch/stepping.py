@@ -73,6 +73,9 @@ class Batch:
     staleness: collections.Counter = field(default_factory=collections.Counter)  # per-token histogram
 
 
+WAIT_NOTICE_S = 30.0  # a step that waits this long for its batch says so, again every as long
+
+
 class ActorWatch:
     """The generation actors' ``run`` loops, by actor name; one that ends during a run failed.
     (``launch/supervise.py`` replaces such an actor instead.)"""
@@ -140,14 +143,33 @@ class BatchCollector:
         self.on_eval = on_eval  # an evaluation group: scored for the held-out metrics, never trained on
         self.on_spans = on_spans  # the actors' timeline spans that rode on the groups (RunLog.timeline)
         self.outcomes = outcomes  # a group's rewards as trained (with the per-sequence penalties): its signal
+        self.last_from: dict[str, float] = {}  # actor name -> when its latest group arrived
+        self.started = time.monotonic()
 
     def _arrived(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         spans = [span for group in groups for span in group.spans]
         if spans:
             self.on_spans(spans)
+        now = time.monotonic()
         for group in groups:
             group.spans = []
+            self.last_from[group.actor_name] = now
         return groups
+
+    def waiting_notice(self, step: int, have: int, want: int, waited: float) -> str:
+        """What the console says while a step waits long for its batch: how long, and which actors
+        have sent nothing for that long (frozen, or each stuck in a slow reward or generation)."""
+        now = time.monotonic()
+        quiet = [
+            f"{name} ({now - self.last_from.get(name, self.started):.0f}s; its log: {self.run.log_path(name)})"
+            for name in sorted(self.actors.refs)
+            if now - self.last_from.get(name, self.started) >= waited
+        ]
+        who = f"; nothing for that long from {', '.join(quiet)}" if quiet else ""
+        return (
+            f"step {step + 1}: waiting {waited:.0f}s for prompt groups ({have} of {want} so far; the run stops "
+            f"after run.data_timeout_s = {self.timeout:.0f}s){who}"
+        )
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
         start = time.monotonic()
@@ -155,7 +177,11 @@ class BatchCollector:
         batch = Batch(groups=[], step=step, dropped=0, wait_s=0.0)
         seen: set[int] = set()
         got = None  # the pending get: never abandoned (what it takes from the queue must not be lost)
+        progress_at, notice_at = start, start + WAIT_NOTICE_S
         while len(batch.groups) < num_groups:
+            if time.monotonic() >= notice_at:  # a long wait is said, not silent
+                self.run.say(self.waiting_notice(step, len(batch.groups), num_groups, time.monotonic() - progress_at))
+                notice_at = time.monotonic() + WAIT_NOTICE_S
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DataTimeout(
@@ -164,12 +190,15 @@ class BatchCollector:
                 )
             if got is None:
                 got = asyncio.ensure_future(self.queue.get_batch_async(num_groups - len(batch.groups), timeout=left))
-            await asyncio.wait({got, *self.actors.loops}, return_when=asyncio.FIRST_COMPLETED)
+            wake = max(0.0, min(left, notice_at - time.monotonic()))
+            await asyncio.wait({got, *self.actors.loops}, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
             for loop in [loop for loop in self.actors.loops if loop.done()]:
                 await self.actors.ended(loop)  # raises, or replaces the actor
             if not got.done():
                 continue
             groups, got = self._arrived(got.result()), None
+            if groups:
+                progress_at, notice_at = time.monotonic(), time.monotonic() + WAIT_NOTICE_S
             for group in groups:
                 if group.purpose == "eval":
                     self.on_eval(group)
