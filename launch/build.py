@@ -73,6 +73,28 @@ def _private_token() -> None:
         pass  # no token file (authentication off): nothing to protect
 
 
+WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
+
+
+def _quiet_worker_deaths() -> None:
+    """At every worker death the raylet prints a ~700-character paragraph of possible causes on the
+    driver's console; the run says what died, what happened and where its log is in one line of its own
+    (``launch/supervise.py``), so that paragraph is left out. Ray's other messages pass."""
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "tandem_filter", False):
+        return
+
+    def printer(data, ignore_prefix: bool):
+        if data.get("pid") == "raylet" and any(WORKER_DIED in line for line in data.get("lines", [])):
+            return None
+        return original(data, ignore_prefix)
+
+    printer.tandem_filter = True
+    ray_worker.print_to_stdstream = printer
+
+
 def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
     import ray
 
@@ -105,6 +127,7 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = clusters
         _private_token()
+        _quiet_worker_deaths()
         # a watchdog that ends the session's processes if this process dies without ray.shutdown
         node = ray._private.worker._global_node
         gcs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,26 @@ class ActorWatch:
                 loop.exception()  # retrieved: not logged again as "never retrieved"
             else:
                 loop.cancel()
+
+
+def ray_death(text: str) -> str:
+    """What Ray's text about a dead actor says happened, in words, in place of its paragraph of
+    possible causes (repeated at every death). The exit type Ray records tells them apart."""
+    pid = re.search(r"\bpid[:=]\s*(\d+)", text)
+    process = f"its process (pid {pid.group(1)})" if pid else "its process"
+    if "NODE_OUT_OF_MEMORY" in text or "running low on memory" in text:
+        return f"Ray's memory monitor killed {process}: its node ran low on memory"
+    if "node has died" in text or "NODE_DIED" in text or "node was terminated" in text:
+        return f"{process} was lost with its node (the machine stopped or left the cluster)"
+    if "INTENDED_USER_EXIT" in text or "INTENDED_SYSTEM_EXIT" in text:
+        return f"{process} was stopped on purpose (ray stop, or its job ended)"
+    if "SYSTEM_ERROR" in text or "connection error" in text or "died unexpectedly" in text:
+        return (
+            f"{process} ended without raising an error: a signal killed it (kill -9, or the kernel's OOM "
+            "killer: see dmesg) or it crashed"
+        )
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0][:200] if lines else "it died"
 
 
 def loop_cause(loop: asyncio.Future) -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from cluster.logs import DEATH_MARK, append_log, exception_lines, last_error_line
 from launch.ledger import PromptLedger
-from launch.stepping import ActorFailed, ActorWatch, loop_cause
+from launch.stepping import ActorFailed, ActorWatch, loop_cause, ray_death
 
 LINE_CHARS = 300  # a death's one line is cut to this
 
@@ -67,8 +67,8 @@ def describe_death(loop: asyncio.Future, log_path: str) -> Death:
         said = str(exc).strip()
         last = last_error_line(log_path)
         if last:  # quoted, but not proof of the cause: a handled error (a reward's) is logged too
-            return Death(_cut(f"{last} (the last error in its log)"), False, said)
-        return Death(_cut((said.splitlines() or [type(exc).__name__])[0]), False, said)
+            return Death(_cut(f"{ray_death(said)}; the last error in its log: {last}"), False, said)
+        return Death(_cut(ray_death(said)), False, said)
     text = "".join(traceback.format_exception(exc))
     return Death(_one_line(exception_lines(text), exc), True, text)
 

@@ -38,6 +38,7 @@ from launch.stepping import (
     BatchCollector,
     DataTimeout,
     Pace,
+    ray_death,
     sample_records,
     step_distributions,
     step_metrics,
@@ -311,8 +312,7 @@ async def train(
         if name is None:
             raise
         raise LearnerFailed(
-            f"{name} died ({str(exc).strip().splitlines()[0][:160]}); its log: {run.log_path(name)}; "
-            f"{resume_hint(run, progress)}"
+            f"{name} died: {ray_death(str(exc))}; its log: {run.log_path(name)}; {resume_hint(run, progress)}"
         ) from None
     finally:
         rollout.cancel()
@@ -322,7 +322,7 @@ async def train(
             try:
                 await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
             except Exception as exc:  # a failed run's own error matters more than a failed close
-                run.say(f"while stopping: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+                run.say(f"while stopping: {type(exc).__name__}: {ray_death(str(exc))}")
     loops = list(pool.refs.values())
     try:
         finals = await asyncio.wait_for(asyncio.gather(*loops, return_exceptions=True), cfg.run.weights_timeout_s)

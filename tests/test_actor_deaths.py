@@ -113,20 +113,27 @@ def test_a_raised_error_is_quoted_with_its_root_cause_and_its_traceback_goes_to_
     assert 'raise ValueError("Attention head_dim 48' in death.text
 
 
+# what a process that died without raising is said to have met (Ray's exit type), in place of Ray's paragraph
+KILLED = (
+    "its process ended without raising an error: a signal killed it (kill -9, or the kernel's OOM killer: see "
+    "dmesg) or it crashed"
+)
+
+
 def test_a_killed_process_is_quoted_from_its_log_when_it_wrote_an_error(tmp_path):
     log = tmp_path / "actor-0.log"
     log.write_text("INFO engine ready\nTraceback (most recent call last):\n  File 'x'\ntorch.OutOfMemoryError: 2 GiB\n")
     death = describe_death(failed(ActorDiedError()), str(log))
-    assert death.line == "torch.OutOfMemoryError: 2 GiB (the last error in its log)"
+    assert death.line == KILLED + "; the last error in its log: torch.OutOfMemoryError: 2 GiB"
     assert not death.known  # a guess: a handled error (a reward's) is logged the same way
     with log.open("a") as out:  # the driver recorded that death; the replacement then died silently
         out.write("[12:00:00] --- actor-0 stopped; the driver saw this error ---\nINFO engine ready\n")
     death = describe_death(failed(ActorDiedError()), str(log))
-    assert death.line == "The actor died unexpectedly before finishing this task."  # not the old error
+    assert death.line == KILLED  # not the old error
     silent = tmp_path / "actor-1.log"
     silent.write_text("INFO engine ready\n")
     death = describe_death(failed(ActorDiedError()), str(silent))  # kill -9: nothing to quote
-    assert not death.known and death.line == "The actor died unexpectedly before finishing this task."
+    assert not death.known and death.line == KILLED  # what happened, not Ray's paragraph of possible causes
     assert last_error_line(tmp_path / "missing.log") is None
 
 
@@ -230,5 +237,27 @@ def test_different_errors_and_silent_kills_are_replaced_up_to_the_limit(tmp_path
     )
     assert pool.total_restarts == 4
     assert pool.run.said[0].startswith(
-        "actor-0 stopped: ValueError: reward failed (scored 0) (the last error in its log); starting a new one"
+        f"actor-0 stopped: {KILLED}; the last error in its log: ValueError: reward failed (scored 0); "
+        "starting a new one"
     )
+
+
+@pytest.mark.parametrize("text,said", [
+    ("The actor died unexpectedly before finishing this task.\n\tclass_name: LearnerWorker\n\tpid: 8179\n"
+     "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+     "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
+     "process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) ...",
+     "its process (pid 8179) ended without raising an error: a signal killed it (kill -9, or the kernel's OOM "
+     "killer: see dmesg) or it crashed"),
+    ("The actor died because its node has died. Node Id: 9f2c\n\tpid=77",
+     "its process (pid 77) was lost with its node (the machine stopped or left the cluster)"),
+    ("Task was killed due to the node running low on memory. Worker exit type: NODE_OUT_OF_MEMORY",
+     "Ray's memory monitor killed its process: its node ran low on memory"),
+    ("The actor is dead because it was killed by `ray.kill`. Worker exit type: INTENDED_USER_EXIT",
+     "its process was stopped on purpose (ray stop, or its job ended)"),
+    ("something else\nmore", "something else"),
+])  # fmt: skip
+def test_a_dead_process_is_said_in_words_not_in_rays_paragraph(text, said):
+    from launch.stepping import ray_death
+
+    assert ray_death(text) == said

@@ -200,13 +200,16 @@ def test_a_killed_generation_actor_is_replaced_and_the_run_finishes(
     killer = kill_when(out, 2, "actor-1")
     assert train(DEMO, tiny_model_dir, out, *overrides) == 0
     killer.join(timeout=5)
-    said = capsys.readouterr().out
+    captured = capsys.readouterr()
+    said = captured.out
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(8))
     ids = trained_ids(out)
     assert len(set(ids)) == len(ids) == 64  # the prompts it held were generated again, once
     assert metrics[-1]["actor_restarts"] == 1
     assert "actor-1 stopped" in said and "restart 1 of 3" in said and "actor-1.log" in said
+    assert "a signal killed it (kill -9, or the kernel's OOM killer" in said  # what happened, in words
+    assert "A worker died or was killed" not in said + captured.err  # not Ray's paragraph, at every death
 
 
 def test_a_dead_actor_on_the_distributed_channel_checkpoints_and_the_run_resumes_itself(
@@ -232,6 +235,7 @@ def test_a_killed_learner_rank_is_one_line_and_the_run_resumes(tmp_path, tiny_mo
     killer.join(timeout=5)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tandem: error:")]
     assert len(errors) == 1 and "learner-0 died" in errors[0] and "logs/learner-0.log" in errors[0]
+    assert "ended without raising an error: a signal killed it" in errors[0]
     assert f"tandem train --resume {run_dir(out)}" in errors[0]
     assert main(["train", "--resume", str(run_dir(out))]) == 0
     assert [m["step"] for m in read_metrics(out)] == list(range(8))
