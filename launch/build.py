@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -73,6 +74,25 @@ def _private_token() -> None:
         pass  # no token file (authentication off): nothing to protect
 
 
+LOCAL_SESSIONS: list[str] = []  # the session folders of the local Rays this process started
+
+
+def remove_local_sessions() -> None:
+    """Delete the session folders (Ray's logs and spilled objects, under /tmp/ray) of the local Rays this
+    process started and has shut down: a finished run's own logs are in its run directory, and the
+    folders of run after run would fill the disk. A failed run keeps its folder for Ray's own logs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    while LOCAL_SESSIONS:
+        session = Path(LOCAL_SESSIONS.pop())
+        shutil.rmtree(session, ignore_errors=True)
+        latest = session.parent / "session_latest"
+        if latest.is_symlink() and not latest.exists():
+            latest.unlink(missing_ok=True)
+
+
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
 
 
@@ -130,6 +150,7 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
         _quiet_worker_deaths()
         # a watchdog that ends the session's processes if this process dies without ray.shutdown
         node = ray._private.worker._global_node
+        LOCAL_SESSIONS.append(node.get_session_dir_path())
         gcs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER)
         reaper.start_watchdog(token, node.get_session_dir_path(), gcs[0].process.pid if gcs else None)
 

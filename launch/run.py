@@ -167,7 +167,7 @@ def run_training(
 
 def _run_training(config_path, overrides, resume_dir, result, locks: list, allow_changes: bool) -> int:
     from actors.rewards import check_rewards
-    from launch.build import prepare_model
+    from launch.build import prepare_model, remove_local_sessions
     from launch.checkpoints import CheckpointError, CheckpointStore
     from launch.data import load_run_rows
     from launch.preflight import check_answers, check_prompt_lengths, preflight
@@ -268,6 +268,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
             summary["error"] = error
         if status != "failed":
             summary.update(last_checkpoint=str(progress.checkpoint or ""), **progress.details)
+            remove_local_sessions()
         run.close(summary)
     run.say(
         f"\n{status} in {format_seconds(summary['wall_s'])}: {summary.get('steps', 0)} steps, mean reward "

@@ -4,7 +4,7 @@ which listen on every interface unless handed a bound socket. A real run with tw
 the distributed channel; once it trains, every listening TCP socket of its processes (this process
 and its descendants: Ray's, vLLM's, the ranks') is listed and none may be a wildcard address. Ray's
 cluster token (``~/.ray/auth_token``), which lets its holder run code in the cluster, is the owner's
-alone (Ray writes it 0644).
+alone (Ray writes it 0644). The finished run's Ray session folder (under /tmp/ray) is removed.
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def test_a_local_run_listens_on_loopback_only_and_keeps_its_token_private(tmp_pa
     watcher = threading.Thread(target=look, daemon=True)
     watcher.start()
     overrides = ["run.steps=6", "resources.learner.ranks=2", "weights.backend=distributed"]
+    sessions = set(Path("/tmp/ray").glob("session_2*"))
     assert train(DEMO, tiny_model_dir, tmp_path, *overrides) == 0
+    assert set(Path("/tmp/ray").glob("session_2*")) <= sessions  # the finished run's Ray folder is removed
     watcher.join(timeout=10)
     assert len({pid for pid, *_ in seen}) >= 5, seen  # the driver, Ray's servers, the actor, two ranks
     assert any("LearnerWorker" in command for *_, command in seen), seen
