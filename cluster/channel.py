@@ -69,9 +69,10 @@ class WeightPublisher(Protocol):
 
 
 def _open_ray(config: WeightsConfig, receivers: int, connect_timeout_s: float) -> WeightPublisher:
+    from cluster.placement import on_this_node
     from cluster.weights import RayWeightChannel
 
-    return RayWeightChannel()
+    return RayWeightChannel(on_this_node())  # on learner rank 0's node: it goes only with its publisher
 
 
 def _open_distributed(config: WeightsConfig, receivers: int, connect_timeout_s: float) -> WeightPublisher:

@@ -46,6 +46,16 @@ class ProcessKind:
         return b
 
 
+def on_this_node() -> dict[str, Any]:
+    """Ray actor options that keep an actor on the node of the process creating it. The queues (made by
+    the driver), which hold every prompt in flight, and the weight store (made by learner rank 0, its
+    publisher) then go only with their owner, whose loss ends the run anyway, never with another node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
 def ray_options(kind: ProcessKind, env: dict[str, str], scheduling: Any = None) -> dict[str, Any]:
     """Ray options for one process of ``kind`` (``scheduling``: its placement-group bundle)."""
     options = {
@@ -158,3 +168,35 @@ def reserve(kinds: list[ProcessKind], strategy: str, timeout_s: float) -> dict[s
         name: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
         for i, (name, _) in enumerate(named)
     }
+
+
+def bundle_state(strategy: Any) -> tuple[str, str | None]:
+    """``(state of the placement group, node id of this process's bundle)`` for a strategy that
+    ``reserve`` returned; ``("none", None)`` for a process outside any placement group."""
+    from ray.util.placement_group import placement_group_table
+
+    pg = getattr(strategy, "placement_group", None)
+    if pg is None:
+        return "none", None
+    table = placement_group_table(pg)
+    node = (table.get("bundles_to_node_id") or {}).get(strategy.placement_group_bundle_index)
+    return str(table.get("state", "?")), node
+
+
+async def bundle_placed_again(strategy: Any, deadline: float, lost_node: str | None) -> str:
+    """Wait until Ray has placed this process's bundle again after its node was lost (the placement
+    group is ``CREATED`` with the bundle on another node); its new node id. ``PlacementError`` past
+    ``deadline`` (``time.monotonic()``): no node that is left has room for it."""
+    import asyncio
+    import time
+
+    while True:
+        state, node = bundle_state(strategy)
+        if state in ("CREATED", "none") and (node is None or node != lost_node):
+            return node or "?"
+        if time.monotonic() > deadline:
+            raise PlacementError(
+                f"its node {str(lost_node)[:8]} was lost and no node left has room for its bundle (placement "
+                f"group {state}); add a node with its resources, then resume"
+            )
+        await asyncio.sleep(0.5)

@@ -13,9 +13,10 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
-from cluster.placement import check_fits, local_ray_cpus, ray_options
+from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
 from launch import reaper
 from launch.config import ModelConfig, TandemConfig
 from launch.plan import actor_environment, build_plan, rank_environment, reward_model_environment
@@ -45,8 +46,9 @@ def prepare_model(model: ModelConfig) -> str:
     return model.path  # a hub id: vLLM and transformers resolve it
 
 
-def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
-    """Join ``resources.address`` or start a local Ray, then check the plan fits."""
+def start_ray(cfg: TandemConfig, log_to_driver: bool = False, wait_s: float = 0.0) -> None:
+    """Join ``resources.address`` or start a local Ray, then check the plan fits: at once, or (``wait_s``,
+    a restart after a lost node) once the cluster has room again, within ``wait_s``."""
     import ray
 
     if ray.is_initialized():
@@ -60,7 +62,18 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False) -> None:
     finally:
         if on_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
-    check_fits(kinds, ray.available_resources())
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            check_fits(kinds, ray.available_resources())
+            return
+        except PlacementError as exc:
+            if time.monotonic() > deadline:
+                raise
+            if not said:
+                print(f"tandem: waiting up to {wait_s:.0f}s for the cluster to have room again: {exc}", flush=True)
+                said = True
+            time.sleep(2.0)
 
 
 def _private_token() -> None:

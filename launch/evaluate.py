@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from actors.spec import ActorTimeouts
-from cluster.placement import reserve
+from cluster.placement import on_this_node, reserve
 from cluster.weights import RayWeightChannel
 from launch.build import build_generation_actors, start_ray
 from launch.config import TandemConfig
@@ -36,8 +36,8 @@ async def evaluate_model(cfg: TandemConfig, model_path: str, rows: list[dict], r
     channel = RayWeightChannel()  # never published to: the actors keep the weights they loaded (version 0)
     receivers = channel.receivers(names)
     P = cfg.rollout.prompts_per_step
-    prompt_queue = build_queue("ray", "prompt", maxsize=P)
-    results_queue = build_queue("ray", "results", maxsize=2 * P)
+    prompt_queue = build_queue("ray", "prompt", maxsize=P, actor_options=on_this_node())
+    results_queue = build_queue("ray", "results", maxsize=2 * P, actor_options=on_this_node())
     timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
     loops = {a.run.remote(prompt_queue, results_queue, r, timeouts): n for a, r, n in zip(actors, receivers, names)}
     renderer = PromptRenderer.load(model_path, cfg.data.chat_template, cfg.data.system_prompt)

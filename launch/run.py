@@ -241,7 +241,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
                     f"{error_message(exc)}\nresuming from {checkpoint} (run.max_restarts: {restarts} of "
                     f"{cfg.run.max_restarts})"
                 )
-                resume = Resume(checkpoint, state)
+                resume = Resume(checkpoint, state, wait_s=cfg.resources.placement_timeout_s)  # a node may come back
                 run.close(None)
                 run = RunLog.reopen(run.root, dumped, cfg.run.steps, first_step=int(state["step"]))
                 attach_driver_log(run)

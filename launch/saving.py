@@ -28,6 +28,7 @@ class Resume:
 
     path: Path
     state: dict[str, Any]
+    wait_s: float = 0.0  # an automatic restart: how long to wait for the cluster to have room again
 
 
 @dataclass

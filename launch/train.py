@@ -23,9 +23,16 @@ import time
 from actors.spec import ActorTimeouts
 from cluster.channel import WeightsTimeout
 from cluster.dist_channel import WeightPushError
-from cluster.placement import reserve
+from cluster.placement import PlacementError, bundle_placed_again, bundle_state, on_this_node, reserve
 from cluster.timeline import Spans
-from launch.build import await_actors, build_generation_actors, build_learner_group, generation_actor, start_ray
+from launch.build import (
+    StartupError,
+    await_actors,
+    build_generation_actors,
+    build_learner_group,
+    generation_actor,
+    start_ray,
+)
 from launch.config import TandemConfig, parse_duration
 from launch.evaluation import Evaluator, eval_line
 from launch.health import RunHealth
@@ -93,7 +100,7 @@ async def train(
     import ray
 
     plan = build_plan(cfg)
-    start_ray(cfg)
+    start_ray(cfg, wait_s=resume.wait_s if resume else 0.0)
     run.mark("ray")
     extra = "".join(f", {k.count} separate {k.prefix} process(es)" for k in (plan.critic, plan.reference) if k)
     run.say(
@@ -110,8 +117,8 @@ async def train(
     health.restore(state.get("health", {}))
 
     P, k, steps = cfg.rollout.prompts_per_step, cfg.run.max_staleness, cfg.run.steps
-    prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1))
-    results_queue = build_queue("ray", "results", maxsize=P * (k + 2))
+    prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1), actor_options=on_this_node())
+    results_queue = build_queue("ray", "results", maxsize=P * (k + 2), actor_options=on_this_node())
     scheduling = reserve(plan.kinds, cfg.resources.strategy, cfg.resources.placement_timeout_s)
 
     async def ready(phase: str, building):
@@ -147,9 +154,25 @@ async def train(
     )
 
     async def start_actor(index: int):
-        actor = generation_actor(cfg, model_path, run, scheduling, index)
-        await await_actors(cfg, run, [actor], [names[index]])
-        return actor
+        """A replacement for actor ``index``. When its node was lost, Ray first places its bundle again
+        (on a node with room, or never: then the run checkpoints and stops naming the node)."""
+        name, deadline = names[index], time.monotonic() + cfg.resources.placement_timeout_s
+        lost = run.placement.get(name)
+        while True:
+            actor = generation_actor(cfg, model_path, run, scheduling, index)
+            try:
+                await await_actors(cfg, run, [actor], [name])
+                return actor
+            except StartupError as exc:
+                state, node = bundle_state(scheduling[name])
+                if "cancelled before it started" not in str(exc) and state in ("CREATED", "none") and node != lost:
+                    raise  # not a placement that moves: the actor itself cannot start
+                run.say(f"{name}: its node {str(lost)[:8]} is gone; waiting for Ray to place it on another node")
+                try:
+                    where = await bundle_placed_again(scheduling[name], deadline, lost)
+                except PlacementError as missing:
+                    raise ActorFailed(f"{name} cannot be replaced: {missing}") from None
+                run.say(f"{name}: placed on node {where[:8]}; starting it there")
 
     pool = ActorPool(
         actors,
@@ -312,7 +335,8 @@ async def train(
         if name is None:
             raise
         raise LearnerFailed(
-            f"{name} died: {ray_death(str(exc))}; its log: {run.log_path(name)}; {resume_hint(run, progress)}"
+            f"{name} (node {run.placement.get(name, '?')[:8]}) died: {ray_death(str(exc))}; its log: "
+            f"{run.log_path(name)}; {resume_hint(run, progress)}"
         ) from None
     finally:
         rollout.cancel()

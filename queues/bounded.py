@@ -233,10 +233,10 @@ class LocalQueue:
             return len(self._state.items)
 
 
-def build_queue(backend: str, name: str, maxsize: int) -> Any:
-    """Make a bounded queue: ``backend`` is ``"ray"`` or ``"local"``."""
+def build_queue(backend: str, name: str, maxsize: int, actor_options: dict | None = None) -> Any:
+    """Make a bounded queue: ``backend`` is ``"ray"`` (``actor_options``: where its actor runs) or ``"local"``."""
     if backend == "ray":
-        return RayQueue(name, maxsize)
+        return RayQueue(name, maxsize, actor_options)
     if backend == "local":
         return LocalQueue(name, maxsize)
     raise ValueError(f"unknown queue backend {backend!r}; use 'ray' or 'local'")

@@ -255,6 +255,8 @@ def test_different_errors_and_silent_kills_are_replaced_up_to_the_limit(tmp_path
      "Ray's memory monitor killed its process: its node ran low on memory"),
     ("The actor is dead because it was killed by `ray.kill`. Worker exit type: INTENDED_USER_EXIT",
      "its process was stopped on purpose (ray stop, or its job ended)"),
+    ("The actor 487a is unavailable: The actor is temporarily unavailable: RpcError: RPC error: Socket closed",
+     "its process cannot be reached: its node left the cluster, or the process hangs"),
     ("something else\nmore", "something else"),
 ])  # fmt: skip
 def test_a_dead_process_is_said_in_words_not_in_rays_paragraph(text, said):

@@ -180,6 +180,8 @@ def test_a_stop_signal_to_an_asynchronous_run_checkpoints_leaves_no_process_and_
     assert (root / "checkpoints" / f"step-{done}" / "manifest.json").is_file()
     assert (root / "model" / "model.safetensors").is_file()
     assert_nothing_left(root)
+    if stop != "ctrl-c":
+        return  # the stop left the same checkpoint; resuming it is the Ctrl-C case's (CI minutes)
 
     # prompts were in flight (k = 2) when it stopped: the resumed run trains each prompt once, loses none
     assert main(["train", "--resume", str(root)]) == 0
@@ -234,7 +236,12 @@ def test_a_killed_learner_rank_is_one_line_and_the_run_resumes(tmp_path, tiny_mo
     assert train(DEMO, tiny_model_dir, out, *BASE, "run.checkpoint_every=2", slow_reward) == 2
     killer.join(timeout=5)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tandem: error:")]
-    assert len(errors) == 1 and "learner-0 died" in errors[0] and "logs/learner-0.log" in errors[0]
+    assert (
+        len(errors) == 1
+        and "learner-0 (node " in errors[0]
+        and ") died: " in errors[0]
+        and "logs/learner-0.log" in errors[0]
+    )
     assert "ended without raising an error: a signal killed it" in errors[0]
     assert f"tandem train --resume {run_dir(out)}" in errors[0]
     assert main(["train", "--resume", str(run_dir(out))]) == 0
