@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from launch.config import EvalConfig
+from launch.stepping import settled
 from queues.messages import PromptRequest, TrajectoryGroup
 
 
@@ -131,7 +132,7 @@ class Evaluator:
         ]
         self.rounds[index] = EvalRound(step=step, ids=set(prompt_ids))
         self.owner.update({pid: index for pid in prompt_ids})
-        self.sending.append(asyncio.ensure_future(self._send(requests)))
+        self.sending.append(settled(asyncio.ensure_future(self._send(requests))))
 
     def token_ids(self) -> list[list[int]]:
         """Every held-out prompt's token ids, rendered the first time a round needs them."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from queues.bounded import QueueClosed
 from queues.messages import TrajectoryGroup
 
 
@@ -72,6 +73,22 @@ class Batch:
     filtered_ids: list[int] = field(default_factory=list)
     oversample_reached: bool = False  # the filter's limit was reached: zero-variance groups filled the batch
     staleness: collections.Counter = field(default_factory=collections.Counter)  # per-token histogram
+
+
+def settled(future: asyncio.Future, say: Callable[[str], None] | None = None, what: str = "") -> asyncio.Future:
+    """``future``, its outcome marked as seen: a get or send abandoned as the run stops, which then fails
+    because its queue closed, is not printed as "Task exception was never retrieved". Any other
+    error is said (``say``), not swallowed."""
+
+    def seen(done: asyncio.Future) -> None:
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None and not isinstance(exc, QueueClosed) and say is not None:
+            say(f"{what or 'a background task'} failed: {type(exc).__name__}: {exc}")
+
+    future.add_done_callback(seen)
+    return future
 
 
 WAIT_NOTICE_S = 30.0  # a step that waits this long for its batch says so, again every as long
@@ -212,7 +229,7 @@ class BatchCollector:
                     f"{self.timeout:.0f}s (run.data_timeout_s); see the actor logs in {self.run.logs}"
                 )
             if got is None:
-                got = asyncio.ensure_future(self.queue.get_batch_async(num_groups - len(batch.groups), timeout=left))
+                got = settled(asyncio.ensure_future(self.queue.get_batch_async(num_groups - len(batch.groups), left)))
             wake = max(0.0, min(left, notice_at - time.monotonic()))
             await asyncio.wait({got, *self.actors.loops}, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
             for loop in [loop for loop in self.actors.loops if loop.done()]:
@@ -250,7 +267,7 @@ class BatchCollector:
         Training groups that still arrive are left untrained (their prompts stay outstanding)."""
         deadline = time.monotonic() + timeout
         while pending() and (left := deadline - time.monotonic()) > 0:
-            got = asyncio.ensure_future(self.queue.get_batch_async(64, timeout=min(left, 5.0)))
+            got = settled(asyncio.ensure_future(self.queue.get_batch_async(64, timeout=min(left, 5.0))))
             await asyncio.wait({got, *self.actors.loops}, return_when=asyncio.FIRST_COMPLETED)
             for loop in [loop for loop in self.actors.loops if loop.done()]:
                 await self.actors.ended(loop)

@@ -47,6 +47,7 @@ from launch.stepping import (
     Pace,
     ray_death,
     sample_records,
+    settled,
     step_distributions,
     step_metrics,
 )
@@ -314,7 +315,7 @@ async def train(
             run.timeline(driver_spans.take())  # the wait of a step that did not train (a stop, an error)
 
     driver_spans = Spans("driver", cfg.run.timeline)  # the learner's wait for each batch
-    rollout = asyncio.create_task(rollout_loop())
+    rollout = settled(asyncio.create_task(rollout_loop()), run.say, "the rollout loop")
     try:
         if first:  # the actors generate with the resumed policy, version `first` (a distributed
             run.timeline(await learner.publish_weights(first))  # receiver joins when its actor takes a prompt)

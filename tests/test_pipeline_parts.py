@@ -303,3 +303,24 @@ def test_a_long_wait_for_the_batch_is_said_naming_the_quiet_actors(monkeypatch):
     assert said[0].startswith("step 1: waiting 0s for prompt groups (1 of 2 so far; the run stops after ")
     assert "run.data_timeout_s = 1s); nothing for that long from " in said[0]
     assert "actor-1 (0s; its log: /run/logs/actor-1.log)" in said[0]
+
+
+def test_an_abandoned_get_that_fails_as_its_queue_closes_is_not_reported_but_other_errors_are_said():
+    # Ctrl-C while a step waited for its batch printed "Task exception was never retrieved ... QueueClosed"
+    from launch.stepping import settled
+
+    said: list[str] = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        closed, broken = loop.create_future(), loop.create_future()
+        settled(closed, said.append, "a get")
+        settled(broken, said.append, "the rollout loop")
+        closed.set_exception(QueueClosed("the results queue is closed"))
+        broken.set_exception(RuntimeError("prompt row 7 is not a dict"))
+        await asyncio.sleep(0)  # the callbacks run
+        return closed, broken
+
+    closed, broken = asyncio.run(go())
+    assert not closed._log_traceback and not broken._log_traceback  # seen: asyncio prints nothing at exit
+    assert said == ["the rollout loop failed: RuntimeError: prompt row 7 is not a dict"]
