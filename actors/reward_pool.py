@@ -13,10 +13,11 @@ Every wait has a deadline:
     error "TimeoutError: ...", counted like any reward error;
   - a worker that dies mid-call is replaced the same way ("RewardWorkerDied: ...");
   - waiting for a free worker is bounded by the calls ahead of it times one call's longest time;
-  - a reward that hangs on every call costs one deadline per batch of calls, not one per call: once
-    the last ``reward.workers`` calls in a row have all timed out, a call that was waiting for a worker
-    while that happened is not attempted ("TimeoutError: not attempted ...", scored 0.0); calls that
-    arrive later (the next step's) are tried again.
+  - a reward that hangs on every call costs about one deadline per batch of calls (two with one
+    worker), not one per call: once the last ``max(2, reward.workers)`` calls in a row have all timed
+    out, a call that was waiting for a worker while that happened is not attempted ("TimeoutError: not
+    attempted ...", scored 0.0); calls that arrive later (the next step's) are tried again. One hang
+    alone, or one at a time, never stops a call behind it.
 A worker ends itself when its actor's process goes away (even by SIGKILL), and ``close`` ends all.
 """
 
@@ -190,7 +191,7 @@ class RewardPool:
         worker = self._acquire()
         if isinstance(worker, str):
             return self._failed(worker, len(completions))
-        if self._timeouts != seen and self._streak >= self.cfg.workers:  # it hangs on every call
+        if self._timeouts != seen and self._streak >= max(2, self.cfg.workers):  # it hangs on every call
             self._release(worker, healthy=True)
             return self._failed(
                 f"TimeoutError: not attempted: the last {self._streak} reward calls each ran past reward.timeout_s "

@@ -183,6 +183,15 @@ def bundle_state(strategy: Any) -> tuple[str, str | None]:
     return str(table.get("state", "?")), node
 
 
+def node_is_gone(node_id: str | None) -> bool:
+    """Ray no longer lists ``node_id`` as an alive node (it was lost, or removed)."""
+    import ray
+
+    if not node_id:
+        return False
+    return not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
 async def bundle_placed_again(strategy: Any, deadline: float, lost_node: str | None) -> str:
     """Wait until Ray has placed this process's bundle again after its node was lost (the placement
     group is ``CREATED`` with the bundle on another node); its new node id. ``PlacementError`` past

@@ -104,12 +104,12 @@ def attach_driver_log(run, early: list[str] | None = None) -> Path:
 
 
 def aborted_summary(run, started: float, restarts: int):
-    """What a second signal (stop at once, no checkpoint) still writes: ``summary.json`` saying so."""
+    """What a second Ctrl-C (stop at once, no checkpoint) still writes: ``summary.json`` saying so."""
 
-    def write(signal_name: str) -> None:
-        summary = {**reward_summary(run.root / "metrics.jsonl"), "status": f"aborted ({signal_name} twice)"}
+    def write(signals: str) -> None:
+        summary = {**reward_summary(run.root / "metrics.jsonl"), "status": f"aborted ({signals})"}
         summary.update(restarts=restarts, wall_s=round(time.monotonic() - started, 1))
-        summary["error"] = "stopped at once by a second signal: no checkpoint of the steps since the last one"
+        summary["error"] = "stopped at once by a second Ctrl-C: no checkpoint of the steps since the last one"
         (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
 
     return write

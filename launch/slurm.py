@@ -78,8 +78,10 @@ for node in "${nodes[@@]:1}"; do
 done
 wait_for_nodes @nodes
 
-# SLURM sends SIGTERM to this script @signal_s s before the time limit (--signal=B:TERM@@@signal_s), and
-# scancel --batch or a preemption may too: tandem train gets it, finishes the step, checkpoints, exits 143.
+# SLURM sends SIGTERM to this script @signal_s s before the time limit (--signal=B:TERM@@@signal_s); it is
+# passed on to tandem train, which finishes the step, checkpoints and exits 143. On scancel or a
+# preemption SLURM signals tandem train itself as well: the copy passed on is then a second SIGTERM,
+# which tandem takes as the same stop (only a second Ctrl-C stops it at once).
 @train &
 train_pid=$!
 on_term() {
@@ -122,6 +124,12 @@ def render_sbatch(
             raise LaunchError(f"{name} = {value} must be at least 1")
     if gpus_per_node < 0 or wait_s < 0 or signal_s < 0:
         raise LaunchError("gpus_per_node, wait_s and signal_s cannot be negative")
+    limit = slurm_seconds(time_limit)
+    if limit is not None and signal_s >= limit:
+        raise LaunchError(
+            f"--signal-s {signal_s} is not less than --time {time_limit} ({limit} s): the stop signal would come "
+            "before training; lower --signal-s or raise --time"
+        )
     check_allocation(
         cfg,
         machines=nodes,
@@ -141,6 +149,23 @@ def render_sbatch(
         signal_s=signal_s,
         train=train_command(config_path, overrides, '"resources.address=$ray_address"'),
     )
+
+
+def slurm_seconds(value: str) -> int | None:
+    """Seconds in a SLURM ``--time`` (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``); None
+    when it is none of those (``UNLIMITED``)."""
+    days, _, rest = value.rpartition("-") if "-" in value else ("0", "", value)
+    parts = rest.split(":")
+    if not days.isdigit() or not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3:
+        return None
+    numbers = [int(p) for p in parts]
+    if "-" in value:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+    elif len(numbers) == 3:
+        hours, minutes, seconds = numbers
+    else:  # M or M:S
+        hours, (minutes, seconds) = 0, (numbers + [0])[:2]
+    return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def _directives(

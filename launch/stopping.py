@@ -3,8 +3,11 @@
 The first signal asks the training loop to stop: the step being trained finishes, a step still
 waiting for its batch is abandoned, then the run checkpoints, saves the model, writes
 ``summary.json`` and stops every process (exit 130 for SIGINT, 143 for SIGTERM). A second
-signal stops at once. ``run.time_limit`` (e.g. the SLURM allocation) stops the same way, before
-a next step and its checkpoint would no longer fit in the time left.
+Ctrl-C stops at once (a person asking twice). A second SIGTERM does not: schedulers send it more
+than once for one event (``scancel`` signals every process of the job, and ``tandem slurm``'s batch
+script passes its own on), and their SIGKILL follows anyway if they do not wait. ``run.time_limit``
+(e.g. the SLURM allocation) stops the same way, before a next step and its checkpoint would no
+longer fit in the time left.
 """
 
 from __future__ import annotations
@@ -55,17 +58,21 @@ class StopRequest:
             self._loop = None
 
     def _received(self, sig: signal.Signals) -> None:
-        if self.reason in EXIT_CODES:  # the second one: no checkpoint, no waiting
-            self.say(f"{sig.name} again: stopping now, without a checkpoint")
+        if self.reason in EXIT_CODES and sig == signal.SIGTERM:  # the same event again: already stopping
+            self.say("SIGTERM again: already checkpointing and stopping (a Ctrl-C stops at once)")
+            return
+        if self.reason in EXIT_CODES:  # a second Ctrl-C: no checkpoint, no waiting
+            self.say(f"{sig.name} after {self.reason}: stopping now, without a checkpoint")
             try:
                 if self.on_abort is not None:
-                    self.on_abort(sig.name)
+                    self.on_abort(f"{sig.name} after {self.reason}")
             finally:
                 os._exit(EXIT_CODES[sig.name])  # Ray's processes go with the driver (launch/reaper.py)
+            return  # (not reached: os._exit does not return)
         self.request(sig.name)
         self.say(
             f"{sig.name}: finishing the current step, then checkpointing and stopping "
-            "(a second Ctrl-C or SIGTERM stops at once, without a checkpoint)"
+            "(a second Ctrl-C stops at once, without a checkpoint)"
         )
 
     def request(self, reason: str) -> None:

@@ -23,7 +23,7 @@ import time
 from actors.spec import ActorTimeouts
 from cluster.channel import WeightsTimeout
 from cluster.dist_channel import WeightPushError
-from cluster.placement import PlacementError, bundle_placed_again, bundle_state, on_this_node, reserve
+from cluster.placement import PlacementError, bundle_placed_again, node_is_gone, on_this_node, reserve
 from cluster.timeline import Spans
 from launch.build import (
     StartupError,
@@ -157,23 +157,23 @@ async def train(
     async def start_actor(index: int):
         """A replacement for actor ``index``. When its node was lost, Ray first places its bundle again
         (on a node with room, or never: then the run checkpoints and stops naming the node)."""
-        name, deadline = names[index], time.monotonic() + cfg.resources.placement_timeout_s
-        lost = run.placement.get(name)
+        name, lost = names[index], run.placement.get(names[index])
         while True:
             actor = generation_actor(cfg, model_path, run, scheduling, index)
             try:
                 await await_actors(cfg, run, [actor], [name])
                 return actor
-            except StartupError as exc:
-                state, node = bundle_state(scheduling[name])
-                if "cancelled before it started" not in str(exc) and state in ("CREATED", "none") and node != lost:
-                    raise  # not a placement that moves: the actor itself cannot start
+            except StartupError:
+                if not node_is_gone(lost):
+                    raise  # its node is alive: the actor itself cannot start, and the error says why
                 run.say(f"{name}: its node {str(lost)[:8]} is gone; waiting for Ray to place it on another node")
+                deadline = time.monotonic() + cfg.resources.placement_timeout_s
                 try:
                     where = await bundle_placed_again(scheduling[name], deadline, lost)
                 except PlacementError as missing:
                     raise ActorFailed(f"{name} cannot be replaced: {missing}") from None
                 run.say(f"{name}: placed on node {where[:8]}; starting it there")
+                lost = None  # placed again: a failure from here on is the actor's own
 
     pool = ActorPool(
         actors,
@@ -347,7 +347,8 @@ async def train(
             try:
                 await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
             except Exception as exc:  # a failed run's own error matters more than a failed close
-                run.say(f"while stopping: {type(exc).__name__}: {ray_death(str(exc))}")
+                cause = ray_death(str(exc)) if str(exc).strip() else f"no answer within {CLOSE_TIMEOUT_S:.0f}s"
+                run.say(f"while stopping: {type(exc).__name__}: {cause}")
     loops = list(pool.refs.values())
     try:
         finals = await asyncio.wait_for(asyncio.gather(*loops, return_exceptions=True), cfg.run.weights_timeout_s)

@@ -187,6 +187,18 @@ def test_sbatch_passes_slurms_sigterm_to_tandem_train_and_exits_with_its_status(
     assert "tandem train exited with 143" in out
 
 
+def test_the_stop_signal_must_come_before_the_time_limit(cfg):
+    from launch.slurm import slurm_seconds
+
+    assert [slurm_seconds(t) for t in ("30", "30:15", "2:00:00", "1-12", "1-12:30", "1-00:00:00")] == [
+        1800, 1815, 7200, 129600, 131400, 86400,
+    ]  # fmt: skip
+    assert slurm_seconds("UNLIMITED") is None
+    with pytest.raises(LaunchError, match=r"--signal-s 300 is not less than --time 00:05:00 \(300 s\)"):
+        sbatch(cfg, time_limit="00:05:00")
+    assert "--signal=B:TERM@60" in sbatch(cfg, time_limit="00:05:00", signal_s=60)
+
+
 def test_sbatch_gives_up_at_the_deadline_with_a_clear_error(cfg, tmp_path):
     (tmp_path / "job.sbatch").write_text(sbatch(cfg, wait_s=0))
     env = _stubs(tmp_path, nodes_up=1, tandem_rc=0)  # the head comes up, the workers never do

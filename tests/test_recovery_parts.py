@@ -368,8 +368,26 @@ def test_a_second_signal_writes_an_aborted_summary_then_exits(tmp_path, monkeypa
     stop._received(signal.SIGINT)
     assert exits == [130]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "aborted (SIGINT twice)" and summary["steps"] == 2
+    assert summary["status"] == "aborted (SIGINT after SIGINT)" and summary["steps"] == 2
     assert "no checkpoint" in summary["error"]
+
+
+def test_a_second_sigterm_is_the_same_stop_not_an_abort(monkeypatch):
+    # scancel signals every process of the job and tandem slurm's script passes its own on: two SIGTERMs
+    # for one event must not throw the checkpoint away (found by the review); a Ctrl-C after it still can
+    import os
+    import signal
+
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    said: list[str] = []
+    stop = StopRequest(said.append)
+    stop._received(signal.SIGTERM)
+    stop._received(signal.SIGTERM)
+    assert stop.reason == "SIGTERM" and not exits
+    assert said[-1] == "SIGTERM again: already checkpointing and stopping (a Ctrl-C stops at once)"
+    stop._received(signal.SIGINT)
+    assert exits == [130] and said[-1] == "SIGINT after SIGTERM: stopping now, without a checkpoint"
 
 
 def test_half_written_checkpoints_are_cleared_by_the_next_start(tmp_path):

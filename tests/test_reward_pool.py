@@ -95,6 +95,22 @@ def test_a_reward_that_hangs_on_every_call_costs_one_deadline_per_batch_not_one_
         pool.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_hang_never_costs_the_calls_queued_behind_it(reward_file, workers):
+    # found by the review: with one worker (the default) a single hang made every call queued behind it
+    # "not attempted"; it takes max(2, workers) timeouts in a row now
+    pool = _pool(reward_file, timeout_s=1.0, workers=workers)
+    try:
+        calls = [(["p"], ["hang"], [{}])] + [(["p"], ["ab" * (i + 1)], [{}]) for i in range(4)]
+        scores = pool.score_many(calls)
+        assert scores[0][0].error.startswith("TimeoutError: reward call took longer")
+        assert [s[0].parts[0] for s in scores[1:]] == [2.0, 4.0, 6.0, 8.0] and all(
+            s[0].error is None for s in scores[1:]
+        )
+    finally:
+        pool.close()
+
+
 def test_a_reward_that_raises_scores_zero_with_its_error_and_a_worker_that_exits_is_replaced(reward_file):
     pool = _pool(reward_file)
     try:
