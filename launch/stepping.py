@@ -184,6 +184,7 @@ class BatchCollector:
         self.on_spans = on_spans  # the actors' timeline spans that rode on the groups (RunLog.timeline)
         self.outcomes = outcomes  # a group's rewards as trained (with the per-sequence penalties): its signal
         self.last_from: dict[str, float] = {}  # actor name -> when its latest group arrived
+        self.longest_gap = 0.0  # the longest wait between two groups of one actor so far
         self.started = time.monotonic()
 
     def _arrived(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
@@ -193,22 +194,25 @@ class BatchCollector:
         now = time.monotonic()
         for group in groups:
             group.spans = []
+            if group.actor_name in self.last_from:
+                self.longest_gap = max(self.longest_gap, now - self.last_from[group.actor_name])
             self.last_from[group.actor_name] = now
         return groups
 
-    def waiting_notice(self, step: int, have: int, want: int, waited: float) -> str:
-        """What the console says while a step waits long for its batch: how long, and which actors
-        have sent nothing for that long (frozen, or each stuck in a slow reward or generation)."""
-        now = time.monotonic()
-        quiet = [
-            f"{name} ({now - self.last_from.get(name, self.started):.0f}s; its log: {self.run.log_path(name)})"
-            for name in sorted(self.actors.refs)
-            if now - self.last_from.get(name, self.started) >= waited
-        ]
-        who = f"; nothing for that long from {', '.join(quiet)}" if quiet else ""
+    def quiet_actors(self, now: float) -> list[tuple[str, float]]:
+        """Actors that have sent no group for longer than ``WAIT_NOTICE_S`` and than twice the longest gap
+        seen between two groups of one actor (long generations are not a stall), with how long."""
+        limit = max(WAIT_NOTICE_S, 2 * self.longest_gap)
+        silent = ((name, now - self.last_from.get(name, self.started)) for name in sorted(self.actors.refs))
+        return [(name, quiet) for name, quiet in silent if quiet >= limit]
+
+    def waiting_notice(self, step: int, have: int, want: int, waited: float, quiet: list[tuple[str, float]]) -> str:
+        """What the console says while a step waits long for its batch and some actors are silent
+        (frozen, or stuck in a slow reward or generation): which, for how long, and their logs."""
+        who = ", ".join(f"{name} ({s:.0f}s; its log: {self.run.log_path(name)})" for name, s in quiet)
         return (
             f"step {step + 1}: waiting {waited:.0f}s for prompt groups ({have} of {want} so far; the run stops "
-            f"after run.data_timeout_s = {self.timeout:.0f}s){who}"
+            f"after run.data_timeout_s = {self.timeout:.0f}s); nothing for that long from {who}"
         )
 
     async def collect(self, num_groups: int, step: int, max_staleness: int) -> Batch:
@@ -217,11 +221,14 @@ class BatchCollector:
         batch = Batch(groups=[], step=step, dropped=0, wait_s=0.0)
         seen: set[int] = set()
         got = None  # the pending get: never abandoned (what it takes from the queue must not be lost)
-        progress_at, notice_at = start, start + WAIT_NOTICE_S
+        notice_at = start + WAIT_NOTICE_S
         while len(batch.groups) < num_groups:
-            if time.monotonic() >= notice_at:  # a long wait is said, not silent
-                self.run.say(self.waiting_notice(step, len(batch.groups), num_groups, time.monotonic() - progress_at))
-                notice_at = time.monotonic() + WAIT_NOTICE_S
+            if time.monotonic() >= notice_at:  # a silent actor is said, not waited on without a word
+                now = time.monotonic()
+                quiet = self.quiet_actors(now)
+                if quiet:
+                    self.run.say(self.waiting_notice(step, len(batch.groups), num_groups, now - start, quiet))
+                notice_at = now + WAIT_NOTICE_S
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DataTimeout(
@@ -237,8 +244,6 @@ class BatchCollector:
             if not got.done():
                 continue
             groups, got = self._arrived(got.result()), None
-            if groups:
-                progress_at, notice_at = time.monotonic(), time.monotonic() + WAIT_NOTICE_S
             for group in groups:
                 if group.purpose == "eval":
                     self.on_eval(group)
