@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         resume = getattr(args, "resume", None)
         if config is None and resume is None:
             parser.error("train needs --config FILE.yaml (or --resume RUN_DIR)")
+        if getattr(args, "allow_changes", False) and resume is None:
+            parser.error("--allow-changes goes with --resume RUN_DIR (a new run has nothing to change)")
         address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
         return run_training(
             config, args.overrides + address, resume, allow_changes=getattr(args, "allow_changes", False)

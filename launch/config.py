@@ -68,7 +68,8 @@ class RunConfig(Section):
     checkpoint_every: int = Field(
         50,
         ge=0,
-        description="Checkpoint (DeepSpeed state + run state) every N steps, and at every stop (0: only then).",
+        description="Checkpoint (DeepSpeed state + run state) every N steps (0: by step never), and at every stop "
+        "and every run.checkpoint_every_s.",
     )
     checkpoint_every_s: float = Field(
         3600,

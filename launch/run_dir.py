@@ -71,9 +71,9 @@ def write_config(root: Path, config: dict[str, Any], first_step: int) -> None:
     the segment that starts at step ``N`` (a resume with other settings leaves the earlier ones there)."""
     text = yaml.safe_dump(config, sort_keys=False)
     history = root / "configs"
-    if not history.is_dir() and (root / "config.yaml").is_file():  # a run from before configs/ existed
-        history.mkdir()
-        (history / "from-step-0.yaml").write_text((root / "config.yaml").read_text())
+    if not history.is_dir() and (root / "config.yaml").is_file():  # a run from before configs/ existed:
+        history.mkdir()  # its config.yaml is the last segment's, which began at a step unknown here
+        (history / f"before-step-{first_step}.yaml").write_text((root / "config.yaml").read_text())
     history.mkdir(exist_ok=True)
     (history / f"from-step-{first_step}.yaml").write_text(text)
     (root / "config.yaml").write_text(text)

@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -26,14 +27,19 @@ class RunDirBusy(ConfigError):
 
 
 class RunLock:
-    def __init__(self, root: Path, fd: int):
+    def __init__(self, root: Path, fd: int | None):
         self.root, self._fd = root, fd
 
     @classmethod
     def acquire(cls, root: Path) -> RunLock:
         """The run directory's lock, or ``RunDirBusy`` naming who holds it."""
         path = Path(root) / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the run directory {root} ({exc.strerror}); check its permissions"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -44,6 +50,15 @@ class RunLock:
                 f"{holder.get('host', '?')}, since {holder.get('since', '?')}): one run writes it at a time; "
                 "wait for that run to end or stop it, then start again"
             ) from None
+        except OSError as exc:  # NFS without lockd, some FUSE or Lustre mounts: no locks at all
+            os.close(fd)
+            print(
+                f"tandem: warning: the filesystem of {root} does not support locks ({exc.strerror}): a second start "
+                "of this run at the same time would not be stopped",
+                file=sys.stderr,
+                flush=True,
+            )
+            return cls(Path(root), None)
         holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -119,14 +119,29 @@ def check_resumable(state: dict[str, Any], rows: list[dict], cfg: TandemConfig) 
 # What a resumed run may change freely: how it runs (placement, engine, weight channel, evaluation, the
 # run's length, checkpoints, logging, deadlines). Everything else decides what a step trains on and how.
 FREE_SECTIONS = ("resources", "engine", "weights", "eval", "run")
-MEANING_KEYS = ("run.seed",)  # the data order (also checked against the checkpoint's ledger)
+# ... except these, which do decide it: the data order, the off-policy bound, and the number of ranks
+# the checkpoint's optimizer state is split over
+MEANING_KEYS = ("run.seed", "run.max_staleness", "resources.learner.ranks")
+# ... and, in the other sections, settings of speed, memory and error handling that do not
+FREE_KEYS = (
+    "reward.workers",
+    "reward.max_error_steps",
+    "rollout.prompts_per_request",
+    "rollout.max_inflight_prompts",
+    "learner.token_budget",
+    "learner.pack_row_tokens",
+    "learner.attention",
+    "learner.gradient_checkpointing",
+    "learner.logprob_chunk_tokens",
+)
 
 
 def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """``(dotted key, then, now)`` for every setting that differs between two resolved configs."""
+    """``(dotted key, then, now)`` for every setting that differs between two resolved configs. A key on
+    one side only (a setting another Tandem version added or dropped) is not a change."""
     out = []
-    for key in sorted(set(then) | set(now), key=str):
-        a, b, name = then.get(key), now.get(key), f"{prefix}{key}"
+    for key in sorted(set(then) & set(now), key=str):
+        a, b, name = then[key], now[key], f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_changes(a, b, f"{name}.")
         elif a != b:
@@ -137,7 +152,7 @@ def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") 
 def changes_meaning(key: str) -> bool:
     """A change of ``key`` changes what the run's steps mean (its model, data, reward, sampling,
     learner or algorithm); deadlines (``*timeout_s``) never do."""
-    if key.rsplit(".", 1)[-1].endswith("timeout_s"):
+    if key.rsplit(".", 1)[-1].endswith("timeout_s") or key in FREE_KEYS:
         return False
     return key in MEANING_KEYS or key.split(".", 1)[0] not in FREE_SECTIONS
 

@@ -312,6 +312,10 @@ def test_config_changes_are_dotted_and_only_meaning_ones_need_permission():
     ]
     assert changes_meaning("learner.lr") and changes_meaning("algorithm.name") and changes_meaning("model.path")
     assert not changes_meaning("resources.actors.count") and not changes_meaning("eval.every")
+    # found by the review: what one changes after an OOM is free; the staleness bound and the rank count are not
+    assert not any(map(changes_meaning, ["reward.workers", "learner.token_budget", "learner.gradient_checkpointing"]))
+    assert changes_meaning("run.max_staleness") and changes_meaning("resources.learner.ranks")
+    assert config_changes({"run": {"steps": 1}}, {"run": {"steps": 1, "added_later": 2}}) == []  # a new field
     said: list[str] = []
     with pytest.raises(CheckpointError) as refused:
         check_config_changes(then, now, False, said.append)
@@ -337,7 +341,7 @@ def test_a_resume_that_changes_the_group_size_is_refused_before_anything_starts(
     old.mkdir()
     (old / "config.yaml").write_text("old")
     write_config(old, cfg.model_dump(mode="json"), 5)
-    assert (old / "configs" / "from-step-0.yaml").read_text() == "old"
+    assert (old / "configs" / "before-step-5.yaml").read_text() == "old"
     assert (old / "configs" / "from-step-5.yaml").read_text() == (old / "config.yaml").read_text() != "old"
     root = tmp_path / "run"
     root.mkdir()

@@ -80,3 +80,17 @@ def test_runs_created_in_the_same_second_get_directories_of_their_own(tmp_path, 
     for run in runs:
         run.close(None)
     assert len(set(roots)) == 3 and all(r.is_dir() for r in roots)
+
+
+def test_a_filesystem_without_locks_is_a_warning_not_a_traceback(tmp_path, monkeypatch, capsys):
+    # NFS without lockd, some FUSE or Lustre mounts (found by the review)
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = RunLock.acquire(tmp_path)
+    lock.release()
+    assert "does not support locks (No locks available)" in capsys.readouterr().err
