@@ -62,6 +62,7 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False, wait_s: float = 0.
     finally:
         if on_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
+    _quiet_worker_deaths()  # a cluster's worker deaths too
     deadline, said = time.monotonic() + wait_s, False
     while True:
         try:
@@ -160,7 +161,6 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = clusters
         _private_token()
-        _quiet_worker_deaths()
         # a watchdog that ends the session's processes if this process dies without ray.shutdown
         node = ray._private.worker._global_node
         LOCAL_SESSIONS.append(node.get_session_dir_path())

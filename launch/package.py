@@ -9,9 +9,11 @@ the next such name, so the upload is built from what is known to belong:
   directory (a prompts file, a dataset folder, ``rewards/mine.py:score``), tracked or not;
 - what the user names with ``--include``.
 
-Even so, a file whose name looks like a secret (``SECRET_NAMES``) is left out and said, unless named
-one by one with ``--include``. The chosen files are linked (or copied) into a staging directory,
-which is what Ray packages; ``--dry-run`` prints the list with sizes and uploads nothing.
+Even so, a file whose name looks like a secret (``SECRET_NAMES``) is left out and said, unless the
+user named it (``--include``, a file or a folder, or the config). A link to outside the working
+directory is left out; a file the config names outside it is said (the job reads it at that path).
+The chosen files are linked (or copied) into a staging directory, which is what Ray packages;
+``--dry-run`` prints the list with sizes and uploads nothing.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Names (of a file, or of any folder above it) that are never shipped unless named one by one.
+# Names (of a file, or of any folder above it; matched without regard to case) never shipped unless the
+# user names them: in --include, or as a file the config reads.
 SECRET_NAMES = (
     ".env", ".env.*", "*.env", ".envrc", ".netrc", ".git-credentials", ".npmrc", ".pypirc", ".htpasswd",
-    ".pgpass", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*",
-    "credentials*", "*service-account*.json", "*service_account*.json", "*-key.json", "*_key.json",
-    "application_default_credentials.json", "*token*.txt", "*.token", "kubeconfig", "*secret*",
-    ".ssh", ".aws", ".kube", ".docker", "gcloud", ".azure", ".git",
+    ".pgpass", ".s3cfg", ".boto", ".vault-token", "*.pem", "*.key", "*.p12", "*.pfx", "*.ppk", "*.tfvars",
+    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "credentials", "credentials*.json", "*credentials.json",
+    "*-credentials*.json", "*service-account*.json", "*service_account*.json", "*-key.json", "*api_key*",
+    "*api-key*", "*apikey*", "application_default_credentials.json", "kaggle.json", "token", "*_token",
+    "*token.txt", "*.token", "kubeconfig", "secret", "secrets", "secret.*", "secrets.*", "*.secret",
+    "client_secret*.json", ".ssh", ".aws", ".kube", ".docker", "gcloud", ".azure", ".huggingface", ".git",
 )  # fmt: skip
 # Never shipped, whatever git says: environments, run directories, caches.
 LOCAL_STATE = (".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", ".mypy_cache",
@@ -57,7 +62,7 @@ class Package:
 
 
 def _matches(relative: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatch(part, pattern) for part in Path(relative).parts for pattern in patterns)
+    return any(fnmatch.fnmatchcase(part.lower(), pattern) for part in Path(relative).parts for pattern in patterns)
 
 
 def tracked_files(root: Path) -> list[str] | None:
@@ -70,7 +75,8 @@ def tracked_files(root: Path) -> list[str] | None:
         return None
     if done.returncode != 0:
         return None
-    return [name for name in done.stdout.decode().split("\0") if name and (root / name).is_file()]
+    files = [name for name in done.stdout.decode().split("\0") if name and (root / name).is_file()]
+    return files or None  # an untracked folder inside some other checkout: as without git
 
 
 def _tree(root: Path, top: str) -> list[str]:
@@ -80,10 +86,11 @@ def _tree(root: Path, top: str) -> list[str]:
     return [str(p.relative_to(root)) for p in sorted(base.rglob("*")) if p.is_file()] if base.is_dir() else []
 
 
-def referenced_files(config: dict[str, Any], root: Path) -> list[str]:
-    """Files inside ``root`` that the config's data, eval and reward sections name (a value, or the
-    file part of ``file.py:function``)."""
-    found: list[str] = []
+def referenced_files(config: dict[str, Any], root: Path) -> tuple[list[str], list[str]]:
+    """Files the config's data, eval and reward sections name (a value, or the file part of
+    ``file.py:function``): those inside ``root`` (relative), and those outside it (as given)."""
+    inside: list[str] = []
+    outside: list[str] = []
 
     def visit(value: Any) -> None:
         if isinstance(value, dict):
@@ -95,12 +102,16 @@ def referenced_files(config: dict[str, Any], root: Path) -> list[str]:
         elif isinstance(value, str) and value:
             for candidate in {value, value.rsplit(":", 1)[0]}:
                 path = (root / candidate).resolve() if not os.path.isabs(candidate) else Path(candidate).resolve()
-                if path.exists() and path.is_relative_to(root) and path != root:
-                    found.extend(_tree(root, str(path.relative_to(root))))
+                if not path.exists() or path == root:
+                    continue
+                if path.is_relative_to(root):
+                    inside.extend(_tree(root, str(path.relative_to(root))))
+                else:
+                    outside.append(candidate)
 
     for section in SCANNED_SECTIONS:
         visit(config.get(section))
-    return found
+    return inside, outside
 
 
 def plan_package(root: Path, config: Path, dumped: dict[str, Any], includes: list[str]) -> Package:
@@ -108,24 +119,23 @@ def plan_package(root: Path, config: Path, dumped: dict[str, Any], includes: lis
     package = Package(root)
     tracked = tracked_files(root)
     base = tracked if tracked is not None else [f for top in TANDEM_TREE for f in _tree(root, top)]
-    named: set[str] = set()
+    config_named, outside = referenced_files(dumped, root)
+    named = {str(config.relative_to(root)), *config_named}  # the user named these: they ship
     for include in includes:
         path = (root / include).resolve()
         if not path.exists() or not path.is_relative_to(root):
             raise FileNotFoundError(f"--include {include}: no such file or folder inside {root}")
-        if path.is_file():
-            named.add(str(path.relative_to(root)))
-        base = base + _tree(root, str(path.relative_to(root)))
-    config_rel = str(config.relative_to(root))
-    for relative in dict.fromkeys([config_rel, *base, *referenced_files(dumped, root)]):
-        if relative in named or relative == config_rel:
-            pass
-        elif _matches(relative, SECRET_NAMES):
-            package.left_out[relative] = "looks like a secret; --include it by name to ship it"
-            continue
-        elif _matches(relative, LOCAL_STATE):
-            continue
-        package.files[relative] = (root / relative).stat().st_size
+        named.update(_tree(root, str(path.relative_to(root))))
+    for relative in dict.fromkeys([*named, *base]):
+        target = (root / relative).resolve()
+        if not target.is_relative_to(root):
+            package.left_out[relative] = "a link to outside the working directory"
+        elif relative not in named and _matches(relative, SECRET_NAMES):
+            package.left_out[relative] = "looks like a secret; --include it to ship it"
+        elif relative in named or not _matches(relative, LOCAL_STATE):
+            package.files[relative] = target.stat().st_size
+    for path in outside:
+        package.left_out[path] = "named by the config, outside the working directory: the job reads it at that path"
     return package
 
 

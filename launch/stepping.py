@@ -133,7 +133,7 @@ def ray_death(text: str) -> str:
         return f"Ray's memory monitor killed {process}: its node ran low on memory"
     if "node has died" in text or "NODE_DIED" in text or "node was terminated" in text:
         return f"{process} was lost with its node (the machine stopped or left the cluster)"
-    if "is unavailable" in text or "failed to connect" in text:
+    if "is unavailable" in text:
         return f"{process} cannot be reached: its node left the cluster, or the process hangs"
     if "INTENDED_USER_EXIT" in text or "INTENDED_SYSTEM_EXIT" in text:
         return f"{process} was stopped on purpose (ray stop, or its job ended)"

@@ -68,13 +68,43 @@ def test_the_package_is_tracked_files_the_config_and_what_it_names_never_the_bai
     )
     assert not set(package.files) & set(BAIT)
     # tracked, but named like a secret: left out, and said
-    assert package.left_out == {"deploy.env": "looks like a secret; --include it by name to ship it"}
+    assert package.left_out == {"deploy.env": "looks like a secret; --include it to ship it"}
     assert package.files["README.md"] == len("contents of README.md\n")
     with staged(package) as directory:  # what Ray packages: exactly these files
         shipped = sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file())
         assert shipped == sorted(package.files)
         assert (Path(directory) / "rewards" / "mine.py").read_text() == "contents of rewards/mine.py\n"
     assert not Path(directory).exists()
+
+
+# Tracked, so only the secret-name filter can keep them out (found by the review: the untracked bait
+# above is kept out by the allowlist alone), in any case of letters.
+TRACKED_SECRETS = ["HF_TOKEN.txt", "gcp-key.json", "conf/.npmrc", "secrets/db.txt", "keys/client_secret_1.json",
+                   ".vault-token", "kaggle.json", "gcp-credentials.json", "api_keys.yaml", "prod.tfvars"]  # fmt: skip
+# Tracked files that only look like secrets to a careless pattern: they ship.
+LOOKALIKES = ["tokenizer.json", "special_tokens_map.json", "data/max_tokens.txt", "launch/credentials_check.py",
+              "tests/test_secrets.py", "rewards/secret_sauce.py", "keys.py", "data/answer_key.json"]  # fmt: skip
+
+
+def test_tracked_secrets_are_left_out_and_lookalikes_ship(checkout, tmp_path):
+    for name in TRACKED_SECRETS + LOOKALIKES:
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text("x\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "id_like").write_text("SECRET=1\n")
+    (checkout / "data" / "notes.txt").symlink_to(outside / "id_like")  # a tracked link to outside
+    git(checkout, "add", *TRACKED_SECRETS, *LOOKALIKES, "data/notes.txt")
+    config = {**CONFIG, "eval": {"prompts": str(outside / "id_like")}}  # a file the cluster reads in place
+    package = plan_package(checkout, checkout / "configs" / "job.yaml", config, [])
+    assert not set(package.files) & set(TRACKED_SECRETS)
+    assert all(package.left_out[name] == "looks like a secret; --include it to ship it" for name in TRACKED_SECRETS)
+    assert set(LOOKALIKES) <= set(package.files)
+    assert package.left_out["data/notes.txt"] == "a link to outside the working directory"
+    assert "data/notes.txt" not in package.files
+    assert package.left_out[str(outside / "id_like")].startswith("named by the config, outside the working directory")
+    with_folder = plan_package(checkout, checkout / "configs" / "job.yaml", CONFIG, ["secrets"])
+    assert "secrets/db.txt" in with_folder.files  # a folder named by --include ships whole
 
 
 def test_includes_add_files_and_a_secret_ships_only_when_named(checkout):
@@ -107,5 +137,5 @@ def test_dry_run_prints_the_exact_list_with_sizes_and_contacts_nothing(checkout,
     )
     assert any(line.strip().startswith(f"{len('contents of README.md') + 1}  README.md") for line in out)
     assert any(line.endswith(f"bytes in 9 files from {checkout}") for line in out)
-    assert "left out: deploy.env (looks like a secret; --include it by name to ship it)" in out
+    assert "left out: deploy.env (looks like a secret; --include it to ship it)" in out
     assert out[-1].startswith("would run: python -m launch.cli train --config configs/job.yaml")
