@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,8 +24,7 @@ import pytest
 from tests.runs import DEMO, read_metrics, read_summary, train
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "ray")
+RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"  # the ray beside this Python
 COMMON = ["run.steps=10", "rollout.prompts_per_step=8", "run.checkpoint_every=2", "run.max_restarts=1",
           "resources.actors.custom={rollout_node: 1}", "resources.learner.custom={train_node: 1}"]  # fmt: skip
 
