@@ -19,38 +19,42 @@ class DatasetError(ValueError):
     """The prompt data cannot be used; the message names the file, line and fix."""
 
 
+def utf8_lines(path: Path, label: str) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a text file (a byte-order mark on line 1 is dropped); the first line
+    that is not UTF-8 raises a one-line ``DatasetError`` beginning with ``label``."""
+    with path.open("rb") as f:  # bytes, so a decoding error is pinned to its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{label} line {lineno} is not UTF-8 text (byte {exc.object[exc.start]:#04x} cannot be decoded); "
+                    "save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 OLD > NEW)"
+                ) from None
+
+
 def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"prompt file {p} does not exist; set data.prompts to a JSONL file or 'builtin:<task>'")
     rows = []
-    with p.open("rb") as f:  # bytes, so a decoding error is pinned to its line
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise DatasetError(
-                    f"{p} line {lineno} is not UTF-8 text (byte {exc.object[exc.start]:#04x} cannot be decoded); "
-                    "save the file as UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(
-                    f"{p} line {lineno} is not valid JSON ({exc.msg}); fix or remove that line"
-                ) from None
-            if not isinstance(row, dict):
-                raise DatasetError(
-                    f'{p} line {lineno} is a {type(row).__name__}, not an object like {{"prompt": ..., "answer": ...}}'
-                )
-            if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                problem = (
-                    "has no 'prompt' field" if "prompt" not in row else "has a 'prompt' that is not a non-empty string"
-                )
-                raise DatasetError(f'{p} line {lineno} {problem}; every row needs {{"prompt": "...", "answer": ...}}')
-            rows.append(row)
+    for lineno, line in utf8_lines(p, str(p)):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{p} line {lineno} is not valid JSON ({exc.msg}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise DatasetError(
+                f'{p} line {lineno} is a {type(row).__name__}, not an object like {{"prompt": ..., "answer": ...}}'
+            )
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            problem = (
+                "has no 'prompt' field" if "prompt" not in row else "has a 'prompt' that is not a non-empty string"
+            )
+            raise DatasetError(f'{p} line {lineno} {problem}; every row needs {{"prompt": "...", "answer": ...}}')
+        rows.append(row)
     if not rows:
         raise DatasetError(f"prompt file {p} has no rows")
     return rows

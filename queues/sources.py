@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from queues.prompts import DatasetError, read_jsonl_rows
+from queues.prompts import DatasetError, read_jsonl_rows, utf8_lines
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 NAMED = 5  # row indices named per reason
@@ -67,15 +67,8 @@ class LoadedRows:
 
 def check_utf8(path: Path, what: str) -> None:
     """A one-line ``DatasetError`` naming the first line of a text file that is not UTF-8."""
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise DatasetError(
-                    f"{what} {path} line {lineno} is not UTF-8 text (byte {exc.object[exc.start]:#04x} cannot be "
-                    "decoded); save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 OLD > NEW)"
-                ) from None
+    for _ in utf8_lines(path, f"{what} {path}"):
+        pass
 
 
 def load_table(source: str, split: str, subset: str | None, what: str = "data.prompts"):
