@@ -36,6 +36,7 @@ from actors.config import RewardConfig
 from actors.reward_parts import SampleScore, load_parts, score_call
 
 KILL_GRACE_S = 5.0  # a killed worker's exit, and a stopped one's
+CALL_TIMED_OUT = "TimeoutError: reward call took longer"  # how a call past reward.timeout_s is reported
 PARENT_CHECK_S = 1.0  # how often a worker checks that its actor is still alive
 
 
@@ -106,10 +107,7 @@ class _Worker:
         try:
             self.conn.send(request)
             if not self.conn.poll(timeout_s):
-                return (
-                    f"TimeoutError: reward call took longer than reward.timeout_s = {timeout_s:g} s "
-                    "(abandoned; its worker was replaced)"
-                )
+                return f"{CALL_TIMED_OUT} than reward.timeout_s = {timeout_s:g} s (abandoned; its worker was replaced)"
             return self.conn.recv()
         except (EOFError, OSError):
             return self._died("while scoring")
@@ -199,7 +197,7 @@ class RewardPool:
                 len(completions),
             )
         answer = worker.call((prompts, completions, rows), self.cfg.timeout_s, self.cfg.import_timeout_s)
-        timed_out = isinstance(answer, str) and answer.startswith("TimeoutError: reward call took longer")
+        timed_out = isinstance(answer, str) and answer.startswith(CALL_TIMED_OUT)
         with self._cond:
             self._timeouts += timed_out
             self._streak = self._streak + 1 if timed_out else 0

@@ -173,7 +173,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     from launch.preflight import check_answers, check_prompt_lengths, preflight
     from launch.run_dir import RunLog, format_seconds, startup_phases
     from launch.run_lock import RunLock
-    from launch.saving import Resume, check_config_changes, check_resumable
+    from launch.saving import PARTIAL_MODEL, Resume, check_config_changes, check_resumable
     from launch.stopping import StopRequest
     from launch.supervise import ActorKeepsFailing
     from launch.train import time_limit_s
@@ -208,7 +208,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
         store = CheckpointStore(root, cfg.run.keep_checkpoints)
         for name in store.clear_partials():
             tell(f"removed {name}: a checkpoint left half-written when the run was stopped")
-        shutil.rmtree(root / ".partial-model", ignore_errors=True)
+        shutil.rmtree(root / PARTIAL_MODEL, ignore_errors=True)
         checkpoint, state = store.newest(lambda text: print(text, file=sys.stderr))
         check_resumable(state, rows, cfg)
         resume = Resume(checkpoint, state)

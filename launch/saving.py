@@ -21,6 +21,8 @@ from launch.checkpoints import CheckpointError, CheckpointStore
 from launch.config import TandemConfig
 from launch.run_dir import RunLog
 
+PARTIAL_MODEL = ".partial-model"  # the final model while it is written; renamed to model/ when whole
+
 
 @dataclass
 class Resume:
@@ -96,7 +98,7 @@ class RunSaver:
             return
         if self.checkpoint_due():
             await self.checkpoint()
-        partial, final = run.root / ".partial-model", run.root / "model"
+        partial, final = run.root / PARTIAL_MODEL, run.root / "model"
         shutil.rmtree(partial, ignore_errors=True)
         await self.learner.save_model(str(partial))
         shutil.rmtree(final, ignore_errors=True)

@@ -113,6 +113,7 @@ class LearnerWorker:
         self.rank, self.world_size = rank, world_size
         self.publisher: WeightPublisher | None = None
         self.spans = Spans(name or f"learner-{rank}")  # returned by publish_weights, once a step
+        self._listener = None  # rank 0: the socket its group store will serve on (rendezvous_address)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port listening there only (kept for ``setup``, where rank 0 serves the
@@ -202,9 +203,8 @@ class LearnerWorker:
         # rendezvous would listen on every interface); DeepSpeed then takes the initialised group.
         # Every collective of the group (ZeRO's, the export's, the checkpoint's) gets this deadline.
         timeout, backend = timedelta(seconds=timeout_s), "nccl" if cuda else "gloo"
-        listener = getattr(self, "_listener", None)
-        if self.rank == 0 and listener is not None:
-            store = bound_store(listener, self.world_size, timeout)
+        if self.rank == 0 and self._listener is not None:
+            store = bound_store(self._listener, self.world_size, timeout)
         else:
             store = dist.TCPStore(master_addr, master_port, self.world_size, False, timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
