@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from queues.config import Section
+from schema import Section
 
 DEFAULT_FORMAT_PATTERN = r"\s*<think>.+?</think>\s*\S.*"
 MODEL_PART = "model"  # the reward.functions entry whose scores come from reward.model's actors
@@ -238,3 +238,28 @@ class EngineConfig(Section):
             "with a GPU, bytes on the CPU."
         ),
     )
+
+
+class ActorPlacement(Section):
+    count: int = Field(1, gt=0, description="Number of generation actors (one vLLM engine each).")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per generation actor.")
+    num_gpus: float = Field(
+        0, ge=0, description="Ray GPUs per generation actor; on GPU it must equal tensor_parallel (vLLM uses them all)."
+    )
+    tensor_parallel: int = Field(
+        1, gt=0, description="vLLM tensor parallel size: the engine shards the model over this many GPUs (CPU: cores)."
+    )
+    custom: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per actor, e.g. {rollout_node: 1}, to pin them to nodes.",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Times each dead generation actor is replaced; past that the run checkpoints and stops."
+    )
+
+
+class RewardModelPlacement(Section):
+    count: int = Field(1, gt=0, description="Reward model actors (used only with reward.model); calls alternate.")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs per reward model actor.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per reward model actor.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per reward model actor.")

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors.config import EngineConfig
-from cluster.config import ActorPlacement
+from actors.config import ActorPlacement, EngineConfig
 
 # Compiled kernels (vLLM's first logprobs call) are cached across runs here.
 INDUCTOR_CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "inductor"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch.timeline_stats import overlap_share  # noqa: E402
+from observe.timeline_stats import overlap_share  # noqa: E402
 
 
 def run(name: str, out: Path, common: list[str], extra: list[str]) -> dict:

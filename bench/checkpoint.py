@@ -13,7 +13,7 @@ tiny one, wider and deeper), in this process as ONE DeepSpeed rank (gloo, world 
    ``ckpt MB`` is the bytes the manifest lists;
 3. ``HF save s``: ``saving.save_hf_model`` fed with the engine module's (name, tensor) pairs,
    as ``LearnerWorker.save_model`` does at the end of a run (and every ``run.save_every``);
-4. ``export s``: ``tandem export`` from the DeepSpeed state alone (``launch.export._from_deepspeed``),
+4. ``export s``: ``tandem export`` from the DeepSpeed state alone (``launch.tools.export._from_deepspeed``),
    checked against step 3's weights (``export ok``);
 5. ``verify s``: ``checkpoints.problem`` (re-hashes every file, as ``store.newest`` does on
    resume), and ``load s``: ``saving.load_engines`` into a fresh engine, whose weights and step
@@ -151,9 +151,9 @@ def same_weights(a: dict, b: dict) -> bool:
 def bench_size(name: str, model_root: Path, work: Path, zero_stage: int) -> dict:
     from safetensors.torch import load_file
 
-    import launch.checkpoints as checkpoints
+    import runtime.checkpoints as checkpoints
     from actors.tiny_model import build_tiny_model
-    from launch.export import _from_deepspeed
+    from launch.tools.export import _from_deepspeed
     from learner import saving
     from learner.config import LearnerConfig
 
@@ -167,7 +167,7 @@ def bench_size(name: str, model_root: Path, work: Path, zero_stage: int) -> dict
     train_one_step(engine, seed=1)
     step = 1
 
-    # 2. the checkpoint as launch/saving.py's RunSaver.checkpoint writes it
+    # 2. the checkpoint as runtime/saving.py's RunSaver.checkpoint writes it
     run_root = work / "run"
     store = checkpoints.CheckpointStore(run_root, keep=2)
     partial = store.begin(step)

@@ -92,7 +92,7 @@ def main() -> None:
     from actors.tiny_model import build_tiny_model
     from launch.build import build_learner_group, start_ray
     from launch.config import load_config
-    from launch.run_dir import RunLog
+    from observe.run_dir import RunLog
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-driver-"))
     model = build_tiny_model(

@@ -3,7 +3,7 @@
 Per run: the weight push (learner rank 0's ``publish`` spans: export + send, and on the
 distributed channel until every actor has acknowledged; the actor's ``load_weights`` spans),
 generation tokens/s and learner tokens/s, from ``timeline.jsonl`` and ``metrics.jsonl`` read with
-``launch.run_stats.load_run``; plus ``run_summary``'s end-to-end figures.
+``observe.run_stats.load_run``; plus ``run_summary``'s end-to-end figures.
 
 - **push s**: median of the publish spans after the first (the first distributed push also waits
   for the group to form); **GB/s** = the model's safetensors bytes / push s.
@@ -38,14 +38,14 @@ SKIPPED = -1  # the exit code a manifest gives a run the time budget left out
 
 
 def _union_s(spans: Iterable[dict[str, Any]]) -> float:
-    from launch.timeline_stats import total
+    from observe.timeline_stats import total
 
     return total((s["start"], s["end"]) for s in spans)
 
 
 def _actor_lanes(spans: list[dict[str, Any]], kind: str) -> list[list[dict[str, Any]]]:
     """Each actor's spans of ``kind``, in time order."""
-    from launch.timeline_stats import lanes
+    from observe.timeline_stats import lanes
 
     by_actor = lanes([s for s in spans if s["process"].startswith("actor") and s["kind"] == kind])
     return [sorted(lane, key=lambda s: s["start"]) for lane in by_actor.values()]
@@ -117,7 +117,7 @@ def model_bytes(model_dir: str | None) -> int | None:
 
 def summarise_run(run_dir: Path, nbytes: int | None = None) -> dict[str, Any]:
     """One run's numbers (see the module docstring)."""
-    from launch.run_stats import load_run, run_summary
+    from observe.run_stats import load_run, run_summary
 
     run = load_run(run_dir)
     cfg = run.config

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.timeline import Spans  # noqa: E402
-from launch.run_stats import load_run  # noqa: E402
+from observe.run_stats import load_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+from cluster import reaper
 from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
-from launch import reaper
 from launch.config import ModelConfig, TandemConfig
 from launch.plan import actor_environment, build_plan, rank_environment, reward_model_environment
-from launch.run_dir import RunLog
+from observe.run_dir import RunLog
 
 
 class StartupError(RuntimeError):
@@ -55,7 +55,7 @@ def start_ray(cfg: TandemConfig, log_to_driver: bool = False, wait_s: float = 0.
         return
     kinds = build_plan(cfg).kinds
     # ray.init sets its own SIGTERM handler (sys.exit), which would replace the run's clean stop
-    # (launch/stopping.py): a preemption's SIGTERM must checkpoint like Ctrl-C, so ours is put back.
+    # (runtime/stopping.py): a preemption's SIGTERM must checkpoint like Ctrl-C, so ours is put back.
     on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         _init_ray(cfg, kinds, log_to_driver)
@@ -113,7 +113,7 @@ WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet
 def _quiet_worker_deaths() -> None:
     """At every worker death the raylet prints a ~700-character paragraph of possible causes on the
     driver's console; the run says what died, what happened and where its log is in one line of its own
-    (``launch/supervise.py``), so that paragraph is left out. Ray's other messages pass."""
+    (``runtime/supervise.py``), so that paragraph is left out. Ray's other messages pass."""
     import ray._private.worker as ray_worker
 
     original = getattr(ray_worker, "print_to_stdstream", None)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from launch.config import config_reference, load_config
+from launch.deploy.submit import LaunchError, SubmitError
 from launch.run import UnexpectedError, error_message, run_training, user_errors
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -31,7 +32,7 @@ def _render_launcher(args: argparse.Namespace) -> int:
     """``tandem slurm`` / ``tandem k8s``: validate the config, print (or write) the script or manifest."""
     cfg = load_config(args.config, args.overrides)
     if args.command == "slurm":
-        from launch.slurm import render_sbatch
+        from launch.deploy.slurm import render_sbatch
 
         text = render_sbatch(
             cfg,
@@ -49,7 +50,7 @@ def _render_launcher(args: argparse.Namespace) -> int:
             signal_s=args.signal_s,
         )
     else:
-        from launch.k8s import render_rayjob
+        from launch.deploy.k8s import render_rayjob
 
         env = dict(item.partition("=")[::2] for item in args.env)
         text = render_rayjob(
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("slurm", "k8s"):
             return _render_launcher(args)
         if args.command == "submit":
-            from launch.submit import submit
+            from launch.deploy.submit import submit
 
             load_config(args.config, args.overrides)  # config mistakes fail here, not on the cluster
             status = submit(
@@ -259,24 +260,24 @@ def main(argv: list[str] | None = None) -> int:
             print(build_tiny_model(args.dir, chat=args.chat))
             return 0
         if args.command == "export":
-            from launch.export import export_model
+            from launch.tools.export import export_model
 
             print(export_model(args.run_dir, args.out, args.step, say=lambda t: print(t, file=sys.stderr)))
             return 0
         if args.command == "example":
-            from launch.example import run_math_example
+            from launch.tools.example import run_math_example
 
             return run_math_example(args.overrides, args.sft_steps)
         if args.command == "eval":
-            from launch.evaluate import run_evaluation
+            from launch.tools.evaluate import run_evaluation
 
             return run_evaluation(args.config, args.model, args.overrides)
         if args.command == "report":
-            from launch.report import run_report
+            from observe.report import run_report
 
             return run_report(args.run_dirs, args.out, args.trace)
         if args.command == "tune":
-            from launch.tune import Thresholds, run_tune
+            from launch.tools.tune import Thresholds, run_tune
 
             limits = Thresholds(args.max_tis_truncated, args.max_mismatch_kl, args.max_dropped)
             return run_tune(args.config, args.overrides, args.steps, args.out, args.staleness, args.modes, limits)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_training(
             config, args.overrides + address, resume, allow_changes=getattr(args, "allow_changes", False)
         )
-    except user_errors() as exc:
+    except (*user_errors(), LaunchError, SubmitError) as exc:  # the deploy commands' own, besides a run's
         print(f"tandem: error: {error_message(exc)}", file=sys.stderr)
         return 2
     except UnexpectedError as exc:

@@ -17,16 +17,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from actors.config import EngineConfig, RewardConfig, RolloutConfig
-from cluster.config import ResourcesConfig, WeightsConfig
-from launch.trackers import CHOICES as TRACKER_CHOICES
-from launch.trackers import RUN_FILES, check_trackers
-from learner.config import AlgorithmConfig, LearnerConfig
-from queues.config import DataConfig, Section
-
-
-class ConfigError(ValueError):
-    """A config problem, explained in one line that names the field and the fix."""
+from actors.config import ActorPlacement, EngineConfig, RewardConfig, RewardModelPlacement, RolloutConfig
+from cluster.config import WeightsConfig
+from learner.config import AlgorithmConfig, CriticPlacement, LearnerConfig, LearnerPlacement, ReferencePlacement
+from observe.trackers import TrackingConfig
+from queues.config import DataConfig
+from runtime.evaluation import EvalConfig
+from runtime.saving import CheckpointConfig
+from schema import ConfigError, Section
 
 
 class ModelConfig(Section):
@@ -54,7 +52,38 @@ def parse_duration(text: str) -> float:
     return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
 
 
-class RunConfig(Section):
+class ResourcesConfig(Section):
+    address: str | None = Field(None, description="Ray cluster address to join; empty starts a local Ray.")
+    local_num_cpus: int | None = Field(
+        None, gt=0, description="CPUs a local Ray advertises (default: this machine's cores, or what the plan needs)."
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for all actors and ranks (one bundle each)."
+    )
+    placement_timeout_s: float = Field(60, gt=0, description="Longest wait for the placement group to be placed.")
+    actors: ActorPlacement = Field(default_factory=ActorPlacement)
+    learner: LearnerPlacement = Field(default_factory=LearnerPlacement)
+    critic: CriticPlacement = Field(default_factory=CriticPlacement)
+    reference: ReferencePlacement = Field(default_factory=ReferencePlacement)
+    reward_model: RewardModelPlacement = Field(default_factory=RewardModelPlacement)
+
+    @model_validator(mode="after")
+    def _gpus_match_tensor_parallel(self) -> ResourcesConfig:
+        a = self.actors
+        if a.num_gpus and a.num_gpus != a.tensor_parallel:
+            raise ValueError(
+                f"resources.actors.num_gpus = {a.num_gpus:g} but resources.actors.tensor_parallel = "
+                f"{a.tensor_parallel}: each vLLM engine shards over all its GPUs; set them equal"
+            )
+        if not a.num_gpus and a.num_cpus < a.tensor_parallel:
+            raise ValueError(
+                f"resources.actors.tensor_parallel = {a.tensor_parallel} on CPU runs one shard per core, but "
+                f"resources.actors.num_cpus = {a.num_cpus:g} reserves fewer; set num_cpus={a.tensor_parallel}"
+            )
+        return self
+
+
+class _RunStart(Section):
     name: str = Field("run", description="Run name; the run directory is <output_dir>/<name>-<timestamp>.")
     output_dir: str = Field("runs", description="Parent directory of run directories.")
     steps: int = Field(100, gt=0, description="Training steps (optimizer updates).")
@@ -65,27 +94,9 @@ class RunConfig(Section):
     data_timeout_s: float = Field(300, gt=0, description="Longest wait for a batch before the run fails.")
     weights_timeout_s: float = Field(120, gt=0, description="Longest wait for new weights before the run fails.")
     startup_timeout_s: float = Field(600, gt=0, description="Longest wait for actors and learners to start.")
-    checkpoint_every: int = Field(
-        50,
-        ge=0,
-        description="Checkpoint (DeepSpeed state + run state) every N steps (0: by step never), and at every stop "
-        "and every run.checkpoint_every_s.",
-    )
-    checkpoint_every_s: float = Field(
-        3600,
-        ge=0,
-        description="Also checkpoint when this many seconds have passed since the last checkpoint (0: off): "
-        "steps of long-reasoning jobs take minutes, so a step count alone can leave hours unsaved.",
-    )
-    save_every: int = Field(
-        0,
-        ge=0,
-        description="Also write the policy as a Hugging Face model into the checkpoint every N steps (0: never).",
-    )
-    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
-    save_final: bool = Field(
-        True, description="Checkpoint and write model/ at the end of the run (`tandem tune`'s short probes do not)."
-    )
+
+
+class _RunMiddle(Section):
     log_samples: int = Field(4, ge=0, description="Completions per step written to samples.jsonl.")
     max_restarts: int = Field(
         0, ge=0, description="Times a failed run resumes by itself from its newest checkpoint (a dead learner rank...)."
@@ -104,29 +115,6 @@ class RunConfig(Section):
         description="Record what every actor and learner rank does when (spans) into timeline.jsonl, for "
         "`tandem report` (costs well under 1% of a step).",
     )
-    trackers: list[str] = Field(
-        default_factory=lambda: [RUN_FILES, "tensorboard"],
-        description=f"Where metrics go, from {', '.join(TRACKER_CHOICES)}: jsonl (metrics/samples/eval.jsonl in "
-        "the run directory, required: the report, the tuner and resume read them), tensorboard (RUN_DIR/tb: "
-        "scalars, staleness/reward/length histograms, sample completions), wandb (Weights & Biases, RUN_DIR/wandb; "
-        "pip install 'tandem-rl[wandb]'). On the command line: run.trackers=[jsonl,tensorboard,wandb].",
-    )
-    wandb_project: str = Field("tandem", description="W&B project of the run (run.trackers has wandb).")
-    wandb_mode: Literal["offline", "online"] = Field(
-        "offline",
-        description="offline: W&B writes RUN_DIR/wandb only (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it "
-        "later); online: streams to the W&B server and needs a login (`wandb login` or WANDB_API_KEY).",
-    )
-    live: bool = Field(
-        True,
-        description="In a terminal, a live view at the bottom (progress bar, ETA, latest numbers) instead of a "
-        "line a step; without a terminal (a pipe, a file, CI, Ray job logs) the plain lines either way.",
-    )
-
-    @field_validator("trackers")
-    @classmethod
-    def _trackers(cls, names: list[str]) -> list[str]:
-        return check_trackers(names)
 
     @field_validator("time_limit")
     @classmethod
@@ -140,42 +128,9 @@ class RunConfig(Section):
         return None if value is None else str(value)
 
 
-class EvalConfig(Section):
-    prompts: str | None = Field(
-        None, description="Held-out rows to evaluate on, in any form data.prompts takes (columns mapped the same way)."
-    )
-    split: str = Field("test", description="Split of eval.prompts when it is a dataset directory or name.")
-    subset: str | None = Field(None, description="Configuration of eval.prompts (default: data.subset).")
-    prompt_field: str | None = Field(None, description="Prompt column of eval.prompts (default: data.prompt_field).")
-    answer_field: str | None = Field(None, description="Answer column of eval.prompts (default: data.answer_field).")
-    fraction: float = Field(
-        0.0, ge=0, lt=1, description="Hold this fraction of data.prompts out of training and evaluate on it instead."
-    )
-    max_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N held-out rows only.")
-    every: int = Field(
-        0,
-        ge=0,
-        description="Evaluate every N steps; with a held-out set it also runs before step 1 and after the last one.",
-    )
-    samples: int = Field(4, gt=0, description="Completions per held-out prompt (k of pass@k).")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
-    correct_reward: float = Field(
-        1.0, description="A completion counts as correct (for pass@k) when its reward is at least this."
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> EvalConfig:
-        if self.prompts and self.fraction:
-            raise ValueError("set eval.prompts or eval.fraction, not both")
-        if self.every and not self.enabled:
-            raise ValueError(
-                f"eval.every = {self.every} but there is nothing to evaluate on; set eval.prompts or eval.fraction"
-            )
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.prompts or self.fraction)
+class RunConfig(TrackingConfig, _RunMiddle, CheckpointConfig, _RunStart):
+    """The ``run`` section: its start (name, length, staleness, deadlines), checkpoints (owned by
+    ``runtime/saving.py``), the rest, and tracking (owned by ``observe/trackers.py``), in that order."""
 
 
 class TandemConfig(Section):

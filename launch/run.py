@@ -6,7 +6,7 @@ Errors a user can fix are re-raised as they are (the command prints their one li
 becomes an ``UnexpectedError`` whose traceback is in the run's driver log. Every run writes
 ``logs/driver.log``: each line the console showed (timed), the error that ended the run, and the
 traceback of an unexpected one. summary.json also says whether the run had a learning signal
-(``SignalWatch``, ``launch/health.py``).
+(``SignalWatch``, ``runtime/health.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import yaml
 
 from cluster.logs import append_log
 from launch.config import ConfigError, load_config
-from launch.health import SignalWatch
-from launch.live import DriverView
+from observe.live import DriverView
+from runtime.health import SignalWatch
 
 
 # Errors that are the user's to fix: printed as one line, no traceback.
@@ -34,13 +34,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from cluster.dist_channel import WeightPushError
     from cluster.placement import PlacementError
     from launch.build import StartupError
-    from launch.checkpoints import CheckpointError
-    from launch.health import RunCannotLearn
     from launch.preflight import PreflightError
-    from launch.stepping import ActorFailed, DataTimeout
-    from launch.submit import LaunchError, SubmitError
     from launch.train import LearnerFailed
     from queues.prompts import DatasetError
+    from runtime.checkpoints import CheckpointError
+    from runtime.health import RunCannotLearn
+    from runtime.stepping import ActorFailed, DataTimeout
 
     return (
         ConfigError,
@@ -56,8 +55,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ActorFailed,
         WeightsTimeout,
         WeightPushError,
-        LaunchError,
-        SubmitError,
     )
 
 
@@ -123,8 +120,8 @@ def _restartable() -> tuple[type[BaseException], ...]:
     """Failures ``run.max_restarts`` resumes from: a process died or stopped answering."""
     from cluster.channel import WeightsTimeout
     from cluster.dist_channel import WeightPushError
-    from launch.stepping import ActorFailed, DataTimeout
     from launch.train import LearnerFailed
+    from runtime.stepping import ActorFailed, DataTimeout
 
     return LearnerFailed, ActorFailed, WeightPushError, WeightsTimeout, DataTimeout
 
@@ -154,7 +151,7 @@ def run_training(
     allow_changes: bool = False,
 ) -> int:
     """Train; ``result`` (when given) receives the run directory as ``run_dir`` once it exists. The run
-    directory is locked while this runs (``launch/run_lock.py``): one writer at a time. A resume may
+    directory is locked while this runs (``runtime/run_lock.py``): one writer at a time. A resume may
     change what its steps mean (model, data, reward, sampling, learner, algorithm) only with
     ``allow_changes``."""
     locks: list = []
@@ -168,15 +165,15 @@ def run_training(
 def _run_training(config_path, overrides, resume_dir, result, locks: list, allow_changes: bool) -> int:
     from actors.rewards import check_rewards
     from launch.build import prepare_model, remove_local_sessions
-    from launch.checkpoints import CheckpointError, CheckpointStore
     from launch.data import load_run_rows
     from launch.preflight import check_answers, check_prompt_lengths, preflight
-    from launch.run_dir import RunLog, format_seconds, startup_phases
-    from launch.run_lock import RunLock
-    from launch.saving import PARTIAL_MODEL, Resume, check_config_changes, check_resumable
-    from launch.stopping import StopRequest
-    from launch.supervise import ActorKeepsFailing
     from launch.train import time_limit_s
+    from observe.run_dir import RunLog, format_seconds, startup_phases
+    from runtime.checkpoints import CheckpointError, CheckpointStore
+    from runtime.run_lock import RunLock
+    from runtime.saving import PARTIAL_MODEL, Resume, check_config_changes, check_resumable
+    from runtime.stopping import StopRequest
+    from runtime.supervise import ActorKeepsFailing
 
     started = time.monotonic()
     early: list[str] = []  # said before the run directory exists: driver.log begins with them
@@ -210,7 +207,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
             tell(f"removed {name}: a checkpoint left half-written when the run was stopped")
         shutil.rmtree(root / PARTIAL_MODEL, ignore_errors=True)
         checkpoint, state = store.newest(lambda text: print(text, file=sys.stderr))
-        check_resumable(state, rows, cfg)
+        check_resumable(state, rows, cfg.run.seed, cfg.data.shuffle)
         resume = Resume(checkpoint, state)
         run = RunLog.reopen(root, dumped, cfg.run.steps, first_step=int(state["step"]))
     else:

@@ -8,11 +8,11 @@ The rollout loop admits a prompt only while it can still be trained on within
 ``max_staleness`` policy versions; the training loop drops anything older, and has it
 generated again. With ``max_staleness: 0`` the two loops alternate (synchronous RL).
 
-Nothing is lost: the prompt ledger (``launch/ledger.py``) knows every prompt admitted and not yet
-trained; checkpoints (``launch/saving.py``) store it with the learner's state, and a resumed
-run generates those prompts again. A dead generation actor is replaced (``launch/supervise.py``);
-a signal or the time limit stops at a step boundary (``launch/stopping.py``); a run that cannot
-learn stops and says why (``launch/health.py``).
+Nothing is lost: the prompt ledger (``runtime/ledger.py``) knows every prompt admitted and not yet
+trained; checkpoints (``runtime/saving.py``) store it with the learner's state, and a resumed
+run generates those prompts again. A dead generation actor is replaced (``runtime/supervise.py``);
+a signal or the time limit stops at a step boundary (``runtime/stopping.py``); a run that cannot
+learn stops and says why (``runtime/health.py``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,18 @@ from launch.build import (
     start_ray,
 )
 from launch.config import TandemConfig, parse_duration
-from launch.evaluation import Evaluator, eval_line
-from launch.health import RunHealth
-from launch.ledger import PromptLedger
 from launch.plan import build_plan
-from launch.run_dir import RunLog
-from launch.saving import Progress, Resume, RunSaver
-from launch.stepping import (
+from learner.group import outcome_rewards
+from observe.run_dir import RunLog
+from queues.bounded import build_queue
+from queues.messages import PromptRequest
+from queues.prompts import PromptStream
+from queues.templates import PromptRenderer
+from runtime.evaluation import Evaluator, eval_line
+from runtime.health import RunHealth
+from runtime.ledger import PromptLedger
+from runtime.saving import Progress, Resume, RunSaver
+from runtime.stepping import (
     ActorFailed,
     BatchCollector,
     DataTimeout,
@@ -51,13 +56,8 @@ from launch.stepping import (
     step_distributions,
     step_metrics,
 )
-from launch.stopping import StopRequest
-from launch.supervise import ActorPool
-from learner.group import outcome_rewards
-from queues.bounded import build_queue
-from queues.messages import PromptRequest
-from queues.prompts import PromptStream
-from queues.templates import PromptRenderer
+from runtime.stopping import StopRequest
+from runtime.supervise import ActorPool
 
 CLOSE_TIMEOUT_S = 15.0  # a close call to a process that may be stuck or gone
 
@@ -191,7 +191,7 @@ async def train(
         restarts=state.get("restarts"),
     )
     saver = RunSaver(
-        cfg,
+        cfg.run,
         run,
         learner,
         progress,

@@ -18,7 +18,7 @@ from learner.algorithms.importance import MODES as TIS_MODES
 from learner.attention import CHOICES as ATTENTION_CHOICES
 from learner.methods import METHODS
 from learner.schedule import SCHEDULES
-from queues.config import Section
+from schema import Section
 
 METHOD_NAMES = tuple(METHODS)
 
@@ -237,3 +237,34 @@ class AlgorithmConfig(Section):
         low = self.clip_eps_low if self.clip_eps_low is not None else default[0]
         high = self.clip_eps_high if self.clip_eps_high is not None else default[1]
         return low, high
+
+
+class LearnerPlacement(Section):
+    ranks: int = Field(1, gt=0, description="Data-parallel learner ranks (one DeepSpeed process each).")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per learner rank.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per learner rank.")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per rank, e.g. {train_node: 1}, to pin them to nodes."
+    )
+
+
+class CriticPlacement(Section):
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="PPO's critic: on the learner ranks (colocated) or on its own ranks, as many as the learner's, "
+        "training beside the policy (separate).",
+    )
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs per separate critic rank.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per separate critic rank.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per separate critic rank.")
+
+
+class ReferencePlacement(Section):
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="The frozen KL reference model: on every learner rank (colocated) or in its own actors (separate).",
+    )
+    count: int = Field(1, gt=0, description="Separate reference actors; the learner's shards are spread over them.")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs per separate reference actor.")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs per separate reference actor.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per reference actor.")

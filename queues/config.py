@@ -1,19 +1,10 @@
-"""The base of every config section, and the prompt source's own section.
-
-Each part of Tandem declares its config section next to its code (``learner/config.py``,
-``actors/config.py``, ``cluster/config.py``); ``launch/config.py`` only composes them. The
-shared base lives here because ``queues/`` is the one package every other part may import.
-"""
+"""The prompt source's config section (``data``), next to the queues that carry its rows."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Section(BaseModel):
-    """A config section: unknown keys are errors, and values are validated when assigned too."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from schema import Section
 
 
 class DataConfig(Section):

@@ -8,10 +8,9 @@ import json
 import random
 from pathlib import Path
 
-from actors.config import EngineConfig, RewardConfig, RolloutConfig
+from actors.config import ActorPlacement, EngineConfig, RewardConfig, RolloutConfig
 from actors.environment import actor_env
 from actors.spec import ActorSpec
-from cluster.config import ActorPlacement
 from cluster.placement import ProcessKind, ray_options
 from launch.build import build_learner_group
 from launch.cli import main

@@ -13,13 +13,13 @@ import traceback
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-import launch.supervise as supervise
+import runtime.supervise as supervise
 from cluster.logs import VLLM_DUMP_LOGGER, VllmDumpFilter, exception_lines, last_error_line, quiet_vllm_dumps
-from launch.ledger import PromptLedger
-from launch.stepping import ActorFailed
-from launch.supervise import ActorKeepsFailing, ActorPool, describe_death
 from queues.bounded import LocalQueue
 from queues.prompts import PromptStream
+from runtime.ledger import PromptLedger
+from runtime.stepping import ActorFailed
+from runtime.supervise import ActorKeepsFailing, ActorPool, describe_death
 
 # vLLM 0.32's engine-failure dump (vllm/logging_utils/dump_input.py): three records, the config's
 # repr and every scheduled request's token ids; ~10 KB each in the run that showed it
@@ -260,6 +260,6 @@ def test_different_errors_and_silent_kills_are_replaced_up_to_the_limit(tmp_path
     ("something else\nmore", "something else"),
 ])  # fmt: skip
 def test_a_dead_process_is_said_in_words_not_in_rays_paragraph(text, said):
-    from launch.stepping import ray_death
+    from runtime.stepping import ray_death
 
     assert ray_death(text) == said

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from launch.config import EvalConfig, load_config
-from launch.evaluation import Evaluator, eval_metrics, ks_for, pass_at_k
-from launch.stepping import BatchCollector
 from queues.bounded import LocalQueue
 from queues.messages import Trajectory, TrajectoryGroup
+from runtime.evaluation import Evaluator, eval_metrics, ks_for, pass_at_k
+from runtime.stepping import BatchCollector
 
 
 def test_pass_at_k_by_hand():

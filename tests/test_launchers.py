@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from launch.config import load_config
-from launch.k8s import render_rayjob
-from launch.slurm import render_sbatch
-from launch.submit import (
+from launch.deploy.k8s import render_rayjob
+from launch.deploy.slurm import render_sbatch
+from launch.deploy.submit import (
     LaunchError,
     SubmitError,
     follow_job,
@@ -188,7 +188,7 @@ def test_sbatch_passes_slurms_sigterm_to_tandem_train_and_exits_with_its_status(
 
 
 def test_the_stop_signal_must_come_before_the_time_limit(cfg):
-    from launch.slurm import slurm_seconds
+    from launch.deploy.slurm import slurm_seconds
 
     assert [slurm_seconds(t) for t in ("30", "30:15", "2:00:00", "1-12", "1-12:30", "1-00:00:00")] == [
         1800, 1815, 7200, 129600, 131400, 86400,

@@ -9,8 +9,8 @@ import re
 from rich.console import Console
 from rich.text import Text
 
-from launch.live import LiveView, PlainLines, StepStatus, build_view, stats_lines
-from launch.run_dir import RunLog
+from observe.live import LiveView, PlainLines, StepStatus, build_view, stats_lines
+from observe.run_dir import RunLog
 
 METRICS = {
     "reward_mean": 0.412,

@@ -10,10 +10,10 @@ import torch
 
 from cluster.channel import ChannelClosed, WeightsTimeout
 from cluster.weights import FlatWeights, LocalWeightChannel
-from launch.stepping import BatchCollector, Pace, step_metrics
 from learner.group import merge_rank_metrics
 from learner.step_plan import plan_step
 from queues.bounded import LocalQueue, QueueClosed, QueueTimeout
+from runtime.stepping import BatchCollector, Pace, step_metrics
 from tests.fakes import make_group, make_sequence, make_trajectory
 from tests.reference_batch import completion_logprobs, pad_sequences
 
@@ -282,8 +282,8 @@ def test_a_long_wait_for_the_batch_is_said_naming_the_quiet_actors_only(monkeypa
     # first notice named every actor, the busy ones too
     from types import SimpleNamespace
 
-    import launch.stepping as stepping
-    from launch.stepping import DataTimeout
+    import runtime.stepping as stepping
+    from runtime.stepping import DataTimeout
 
     monkeypatch.setattr(stepping, "WAIT_NOTICE_S", 0.4)
     said: list[str] = []
@@ -316,7 +316,7 @@ def test_a_long_wait_for_the_batch_is_said_naming_the_quiet_actors_only(monkeypa
 
 def test_an_abandoned_get_that_fails_as_its_queue_closes_is_not_reported_but_other_errors_are_said():
     # Ctrl-C while a step waited for its batch printed "Task exception was never retrieved ... QueueClosed"
-    from launch.stepping import settled
+    from runtime.stepping import settled
 
     said: list[str] = []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from launch.config import load_config
-from launch.run_dir import RunLog
+from observe.run_dir import RunLog
 from tests.runs import GROUP_BASE, train_group, varied_batches
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main
-from launch.example import MATH_CONFIG, prepare_math_model
 from launch.run import run_training
+from launch.tools.example import MATH_CONFIG, prepare_math_model
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from launch.config import load_config
-from launch.run_dir import RunLog
+from observe.run_dir import RunLog
 from tests.runs import CONFIGS, GROUP_BASE, read_metrics, read_summary, run_dir, train, train_group, varied_batches
 
 pytestmark = pytest.mark.slow

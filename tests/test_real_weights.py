@@ -76,7 +76,7 @@ def test_the_saved_model_loads_in_transformers_and_vllm_and_exports_from_a_check
     from transformers import AutoModelForCausalLM
 
     from actors.generation import GenerationActor
-    from launch.export import _from_deepspeed
+    from launch.tools.export import _from_deepspeed
     from learner.worker import LearnerWorker, RankSpec
 
     worker = ray.remote(LearnerWorker).options(**rank_options()).remote(0, 1, str(tmp_path / "learner.log"))

@@ -16,9 +16,9 @@ from actors.rewards import load_reward_function
 from cluster.placement import PlacementError, check_fits, plan_bundles, required_resources
 from launch.config import load_config
 from launch.data import fields_of
+from launch.deploy.slurm import render_sbatch
+from launch.deploy.submit import LaunchError, check_allocation
 from launch.plan import build_plan
-from launch.slurm import render_sbatch
-from launch.submit import LaunchError, check_allocation
 from queues.sources import to_row
 
 ROOT = Path(__file__).resolve().parents[1]

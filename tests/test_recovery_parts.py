@@ -11,16 +11,16 @@ import time
 import pytest
 import torch
 
-from launch.checkpoints import CheckpointError, CheckpointStore, problem
 from launch.config import ConfigError, load_config, parse_duration
-from launch.health import RunCannotLearn, RunHealth
-from launch.ledger import PromptLedger
-from launch.stepping import ActorFailed, Batch, sample_records
-from launch.stopping import StopRequest
-from launch.supervise import ActorPool
 from queues.bounded import LocalQueue
 from queues.messages import PromptRequest
 from queues.prompts import PromptStream
+from runtime.checkpoints import CheckpointError, CheckpointStore, problem
+from runtime.health import RunCannotLearn, RunHealth
+from runtime.ledger import PromptLedger
+from runtime.stepping import ActorFailed, Batch, sample_records
+from runtime.stopping import StopRequest
+from runtime.supervise import ActorPool
 from tests.fakes import make_group
 
 ROWS = [{"prompt": f"p{i}"} for i in range(5)]
@@ -141,7 +141,7 @@ def test_a_dead_actors_prompts_are_generated_again_and_it_is_replaced():
             max_restarts=1,
         )
         pool_kill = []
-        import launch.supervise as supervise
+        import runtime.supervise as supervise
 
         supervise._kill = pool_kill.append
         (loop,) = list(pool.loops)

@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from launch import report_figures as figures
 from launch.config import ConfigError
-from launch.report import run_report
-from launch.run_stats import load_run, run_summary
-from launch.timeline_stats import (
+from observe import report_figures as figures
+from observe.report import run_report
+from observe.run_stats import load_run, run_summary
+from observe.timeline_stats import (
     actor_idle_per_step,
     busy_fractions,
     idle_fractions,
@@ -23,7 +23,7 @@ from launch.timeline_stats import (
     subtract,
     window_totals,
 )
-from launch.trace import write_trace
+from observe.trace import write_trace
 from tests.report_runs import T0, spans, write_run
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.report import run_report
+from observe.report import run_report
 from tests.browser import open_report, require_browser
 from tests.report_runs import write_run
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from launch.checkpoints import CheckpointError, CheckpointStore
 from launch.config import load_config
-from launch.stopping import StopRequest
+from runtime.checkpoints import CheckpointError, CheckpointStore
+from runtime.stopping import StopRequest
 
 # --- when to checkpoint, and what a failure offers -------------------------------------------------
 MINIMAL = ["model.path=x", "data.prompts=x", "reward.function=x"]
@@ -20,12 +20,12 @@ MINIMAL = ["model.path=x", "data.prompts=x", "reward.function=x"]
 def test_a_checkpoint_is_due_by_wall_time_since_the_last_one(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from launch.saving import Progress, RunSaver
+    from runtime.saving import Progress, RunSaver
 
     clock = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     cfg = load_config(None, [*MINIMAL, "run.checkpoint_every_s=600"])
-    saver = RunSaver(cfg, SimpleNamespace(root=tmp_path), None, Progress(), dict)
+    saver = RunSaver(cfg.run, SimpleNamespace(root=tmp_path), None, Progress(), dict)
     clock[0] += 599
     assert not saver.time_due()
     clock[0] += 1
@@ -34,7 +34,7 @@ def test_a_checkpoint_is_due_by_wall_time_since_the_last_one(tmp_path, monkeypat
     assert not saver.time_due()
     assert load_config(None, MINIMAL).run.checkpoint_every_s == 3600
     off = RunSaver(
-        load_config(None, [*MINIMAL, "run.checkpoint_every_s=0"]),
+        load_config(None, [*MINIMAL, "run.checkpoint_every_s=0"]).run,
         SimpleNamespace(root=tmp_path),
         None,
         Progress(),
@@ -47,8 +47,8 @@ def test_a_checkpoint_is_due_by_wall_time_since_the_last_one(tmp_path, monkeypat
 def test_a_failure_before_any_checkpoint_does_not_offer_a_resume(tmp_path):
     from types import SimpleNamespace
 
-    from launch.saving import Progress
     from launch.train import resume_hint
+    from runtime.saving import Progress
 
     run = SimpleNamespace(root=tmp_path)
     assert resume_hint(run, Progress(done=3)) == "no checkpoint yet, so nothing to resume: start the run again"
@@ -58,7 +58,7 @@ def test_a_failure_before_any_checkpoint_does_not_offer_a_resume(tmp_path):
 
 # --- a resume with another config ----------------------------------------------------------------
 def test_config_changes_are_dotted_and_only_meaning_ones_need_permission():
-    from launch.saving import changes_meaning, check_config_changes, config_changes
+    from runtime.saving import changes_meaning, check_config_changes, config_changes
 
     then = {"rollout": {"group_size": 8, "max_tokens": 64}, "run": {"steps": 60, "seed": 0}, "reward": {"timeout_s": 5}}
     now = {"rollout": {"group_size": 4, "max_tokens": 64}, "run": {"steps": 90, "seed": 0}, "reward": {"timeout_s": 9}}
@@ -95,7 +95,7 @@ def test_config_changes_are_dotted_and_only_meaning_ones_need_permission():
 
 def test_a_resume_that_changes_the_group_size_is_refused_before_anything_starts(tmp_path, tiny_model_dir, capsys):
     from launch.cli import main
-    from launch.run_dir import write_config
+    from observe.run_dir import write_config
 
     cfg = load_config(
         None, [f"model.path={tiny_model_dir}", "data.prompts=builtin:successor", "reward.function=builtin:successor"]

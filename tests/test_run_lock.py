@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main
-from launch.run_dir import RunLog
-from launch.run_lock import RunDirBusy, RunLock
+from observe.run_dir import RunLog
+from runtime.run_lock import RunDirBusy, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from launch.run_lock import RunLock
+from runtime.run_lock import RunLock
 lock = RunLock.acquire(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(120)

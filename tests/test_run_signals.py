@@ -11,12 +11,12 @@ import json
 import pytest
 
 import launch.train
-from launch.health import SignalWatch, no_signal_cause
-from launch.live import DriverView, PlainLines, StepStatus
 from launch.run import UnexpectedError, run_training, signal_summary
-from launch.saving import Progress
-from launch.stepping import ActorFailed
-from launch.supervise import ActorKeepsFailing
+from observe.live import DriverView, PlainLines, StepStatus
+from runtime.health import SignalWatch, no_signal_cause
+from runtime.saving import Progress
+from runtime.stepping import ActorFailed
+from runtime.supervise import ActorKeepsFailing
 
 
 def step(zero_variance_frac: float, reward_mean: float = 0.0, reward_std: float = 0.0) -> dict:
@@ -186,7 +186,7 @@ def test_an_actor_that_keeps_failing_is_not_resumed_and_its_error_is_in_driver_l
         raise error("actor-0 stopped: RuntimeError: boom")
 
     monkeypatch.setattr(launch.train, "train", fake_training(dies))
-    monkeypatch.setattr("launch.checkpoints.CheckpointStore.newest", lambda store, say: ("ckpt", {"step": 0}))
+    monkeypatch.setattr("runtime.checkpoints.CheckpointStore.newest", lambda store, say: ("ckpt", {"step": 0}))
     with pytest.raises(error, match="boom"):
         run_demo(tmp_path, tiny_model_dir, "run.max_restarts=1")
     assert len(calls) == attempts

@@ -21,9 +21,9 @@ import random
 import numpy as np
 import pytest
 
-from launch.stepping import BatchCollector, Pace
 from queues.bounded import LocalQueue
 from queues.messages import PromptRequest, TrajectoryGroup
+from runtime.stepping import BatchCollector, Pace
 from tests.fakes import make_trajectory
 
 

@@ -3,7 +3,7 @@ another ran beside the chain, the first step counts from the last chained phase.
 
 from __future__ import annotations
 
-from launch.run_dir import startup_phases
+from observe.run_dir import startup_phases
 
 
 def test_phases_chain_and_side_by_side_phases_count_from_their_start():

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from launch.cli import main
-from launch.package import plan_package, staged
-from launch.submit import LaunchError, build_job
+from launch.deploy.package import plan_package, staged
+from launch.deploy.submit import LaunchError, build_job
 
 # Bait: credentials of every kind a working directory collects, none tracked by git.
 BAIT = [

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from launch.config import ConfigError, load_config
-from launch.run_dir import RunLog
-from launch.stepping import Batch, sample_records, staleness_sample, step_distributions, step_metrics
-from launch.trackers import WANDB_MISSING, histogram, markdown_table
+from observe.run_dir import RunLog
+from observe.trackers import WANDB_MISSING, histogram, markdown_table
+from runtime.stepping import Batch, sample_records, staleness_sample, step_distributions, step_metrics
 from tests.fakes import make_group
 
 REQUIRED = ["model.path=m", "data.prompts=p.jsonl", "reward.function=r.py:f"]

@@ -1,4 +1,4 @@
-"""The tuner's choice, on two synthetic workloads, and its settings grid (``launch/tune.py``).
+"""The tuner's choice, on two synthetic workloads, and its settings grid (``launch/tools/tune.py``).
 
 A workload here is the seconds one step's generation and training take on one process each.
 Its measurements follow the pipeline's arithmetic: generation splits over the actors and
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_config
-from launch.tune import Measurement, Setting, Thresholds, probe_settings, recommend, splits, table
+from launch.tools.tune import Measurement, Setting, Thresholds, probe_settings, recommend, splits, table
 
 BASE = [
     "model.path=m",
@@ -145,7 +145,7 @@ def test_the_command_probes_in_turn_survives_a_failed_probe_and_stops_on_ctrl_c(
     a probe that raises is a table row, a probe stopped by a signal ends the probing, and the
     recommendation and its overrides file come from the probes that finished."""
     import launch.run
-    from launch.tune import run_tune
+    from launch.tools.tune import run_tune
     from tests.report_runs import write_run
 
     calls = []

@@ -96,7 +96,7 @@ WAIT_NOTICE_S = 30.0  # a step that waits this long for its batch says so, again
 
 class ActorWatch:
     """The generation actors' ``run`` loops, by actor name; one that ends during a run failed.
-    (``launch/supervise.py`` replaces such an actor instead.)"""
+    (``runtime/supervise.py`` replaces such an actor instead.)"""
 
     def __init__(self, actor_loops: dict, run):
         self.run = run

@@ -3,8 +3,8 @@ staleness, importance sampling, idle time and timeline, several runs overlaid.
 
 The page embeds every figure as a base64 PNG and its CSS inline, so it opens offline from a file;
 the PNGs are also written beside it, and with ``--trace`` the timeline as a Chrome trace
-(``launch/trace.py``). The numbers come from ``launch/run_stats.py``; the figures from
-``launch/report_figures.py``.
+(``observe/trace.py``). The numbers come from ``observe/run_stats.py``; the figures from
+``observe/report_figures.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from launch import report_figures as figures
-from launch.run_stats import RunData, load_run, run_summary
-from launch.trace import write_traces
+from observe import report_figures as figures
+from observe.run_stats import RunData, load_run, run_summary
+from observe.trace import write_traces
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; padding: 0 1em; }

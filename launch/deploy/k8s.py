@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from launch.config import TandemConfig
-from launch.submit import LaunchError, check_allocation, train_command
+from launch.deploy.submit import LaunchError, check_allocation, train_command
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?")

@@ -17,7 +17,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from launch.config import ConfigError
+from schema import ConfigError
 
 LOCK_NAME = ".lock"
 

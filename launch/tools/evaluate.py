@@ -1,5 +1,5 @@
 """``tandem eval --model DIR --config F``: evaluate any saved model on the held-out set, the way a
-training run evaluates its policy (``launch/evaluation.py``): the config's generation actors
+training run evaluates its policy (``runtime/evaluation.py``): the config's generation actors
 (vLLM) sample ``eval.samples`` completions of each held-out prompt at ``eval.temperature``, its
 reward scores them, and the metrics (pass@1, pass@k, mean reward, mean length) are printed and
 written to ``<run.output_dir>/eval-<timestamp>/eval.jsonl``. No learner starts.
@@ -15,12 +15,12 @@ from cluster.placement import on_this_node, reserve
 from cluster.weights import RayWeightChannel
 from launch.build import build_generation_actors, start_ray
 from launch.config import TandemConfig
-from launch.evaluation import Evaluator, eval_line
 from launch.plan import build_plan
-from launch.run_dir import RunLog
-from launch.stepping import ActorWatch, BatchCollector
+from observe.run_dir import RunLog
 from queues.bounded import build_queue
 from queues.templates import PromptRenderer
+from runtime.evaluation import Evaluator, eval_line
+from runtime.stepping import ActorWatch, BatchCollector
 
 CLOSE_TIMEOUT_S = 15.0
 

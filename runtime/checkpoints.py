@@ -104,7 +104,7 @@ class CheckpointStore:
 
     def clear_partials(self) -> list[str]:
         """Remove checkpoints a stopped process left half-built (``.partial-step-N``, never resumable);
-        their names. Called by the run directory's one writer (``launch/run_lock.py``) as it starts."""
+        their names. Called by the run directory's one writer (``runtime/run_lock.py``) as it starts."""
         partials = sorted(self.root.glob(".partial-step-*")) if self.root.is_dir() else []
         for partial in partials:
             shutil.rmtree(partial, ignore_errors=True)

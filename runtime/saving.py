@@ -17,11 +17,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.checkpoints import CheckpointError, CheckpointStore
-from launch.config import TandemConfig
-from launch.run_dir import RunLog
+from pydantic import Field
+
+from observe.run_dir import RunLog
+from runtime.checkpoints import CheckpointError, CheckpointStore
+from schema import Section
 
 PARTIAL_MODEL = ".partial-model"  # the final model while it is written; renamed to model/ when whole
+
+
+class CheckpointConfig(Section):
+    """When a run checkpoints and saves its model: these fields of the ``run`` section."""
+
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Checkpoint (DeepSpeed state + run state) every N steps (0: by step never), and at every stop "
+        "and every run.checkpoint_every_s.",
+    )
+    checkpoint_every_s: float = Field(
+        3600,
+        ge=0,
+        description="Also checkpoint when this many seconds have passed since the last checkpoint (0: off): "
+        "steps of long-reasoning jobs take minutes, so a step count alone can leave hours unsaved.",
+    )
+    save_every: int = Field(
+        0,
+        ge=0,
+        description="Also write the policy as a Hugging Face model into the checkpoint every N steps (0: never).",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    save_final: bool = Field(
+        True, description="Checkpoint and write model/ at the end of the run (`tandem tune`'s short probes do not)."
+    )
 
 
 @dataclass
@@ -53,20 +81,20 @@ class RunSaver:
 
     def __init__(
         self,
-        cfg: TandemConfig,
+        settings: CheckpointConfig,
         run: RunLog,
         learner,
         progress: Progress,
         run_state: Callable[[], dict[str, Any]],
     ) -> None:
-        self.cfg, self.run, self.learner, self.progress = cfg, run, learner, progress
+        self.settings, self.run, self.learner, self.progress = settings, run, learner, progress
         self.run_state = run_state
-        self.store = CheckpointStore(run.root, cfg.run.keep_checkpoints)
+        self.store = CheckpointStore(run.root, settings.keep_checkpoints)
         self.last_at = time.monotonic()  # the last checkpoint, or the start
 
     def time_due(self) -> bool:
         """``run.checkpoint_every_s`` has passed since the last checkpoint (or the start)."""
-        every_s = self.cfg.run.checkpoint_every_s
+        every_s = self.settings.checkpoint_every_s
         return bool(every_s) and time.monotonic() - self.last_at >= every_s
 
     async def checkpoint(self) -> None:
@@ -74,7 +102,7 @@ class RunSaver:
         done, t0 = progress.done, time.monotonic()
         partial = self.store.begin(done)
         await self.learner.save_checkpoint(str(partial))
-        if self.cfg.run.save_every and done % self.cfg.run.save_every == 0:
+        if self.settings.save_every and done % self.settings.save_every == 0:
             await self.learner.save_model(str(partial / "model"))
         state = {"step": done, "version": done, **self.run_state()}
         progress.checkpoint, size = self.store.commit(partial, done, state)
@@ -93,7 +121,7 @@ class RunSaver:
         if done == 0:
             run.say("stopped before the first step: nothing to checkpoint")
             return
-        if not self.cfg.run.save_final:
+        if not self.settings.save_final:
             run.say(f"not saved (run.save_final: false): {done} steps trained")
             return
         if self.checkpoint_due():
@@ -106,10 +134,10 @@ class RunSaver:
         run.say(f"model: {final} (Hugging Face format, step {done})")
 
 
-def check_resumable(state: dict[str, Any], rows: list[dict], cfg: TandemConfig) -> None:
+def check_resumable(state: dict[str, Any], rows: list[dict], seed: int, shuffle: bool) -> None:
     """The data order of the checkpoint must be this run's."""
     ledger = state["ledger"]
-    now = {"rows": len(rows), "seed": cfg.run.seed, "shuffle": cfg.data.shuffle}
+    now = {"rows": len(rows), "seed": seed, "shuffle": shuffle}
     then = {key: ledger[key] for key in now}
     if then != now:
         raise CheckpointError(

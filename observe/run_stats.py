@@ -2,7 +2,7 @@
 config and summary, and the numbers ``tandem report`` and ``tandem tune`` compare runs by.
 
 Idle time comes from two sources. The learner's is in the metrics: ``learner_wait_s`` of a step
-over its ``step_seconds``. An actor's comes from the timeline (``launch/timeline_stats.py``): the
+over its ``step_seconds``. An actor's comes from the timeline (``observe/timeline_stats.py``): the
 time its lane spends in ``wait_prompts`` or ``wait_weights`` while none of its ``generate`` or
 ``load_weights`` spans runs.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from launch.config import ConfigError
-from launch.timeline_stats import actor_idle
+from observe.timeline_stats import actor_idle
+from schema import ConfigError
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``tandem submit`` packages the working directory (Ray's job runtime_env ``working_dir``), runs
 ``tandem train`` on the cluster's head node and streams its logs back. The SLURM and Kubernetes
-launchers (``launch/slurm.py``, ``launch/k8s.py``) reuse ``train_command`` and ``check_allocation``
+launchers (``launch/deploy/slurm.py``, ``launch/deploy/k8s.py``) reuse ``train_command`` and ``check_allocation``
 so all three run the same command and refuse the same impossible plans.
 
 Ray is imported inside the functions that talk to a cluster: rendering scripts needs no Ray.
@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from cluster.placement import explain_sum, required_resources
 from launch.config import TandemConfig, parse_overrides
-from launch.package import Package, plan_package, staged
+from launch.deploy.package import Package, plan_package, staged
 from launch.plan import build_plan
 
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -122,7 +122,7 @@ def _use_auth_token_if_any() -> None:
 def build_job(
     config_path: str, overrides: list[str], working_dir: str, includes: list[str] | None = None
 ) -> tuple[str, Package]:
-    """The Ray job: its entrypoint, and the files it ships (``launch/package.py``). The config travels
+    """The Ray job: its entrypoint, and the files it ships (``launch/deploy/package.py``). The config travels
     inside the working directory.
 
     ``python -m launch.cli`` rather than the ``tandem`` script: the job's current directory is the uploaded

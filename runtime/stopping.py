@@ -67,7 +67,7 @@ class StopRequest:
                 if self.on_abort is not None:
                     self.on_abort(f"{sig.name} after {self.reason}")
             finally:
-                os._exit(EXIT_CODES[sig.name])  # Ray's processes go with the driver (launch/reaper.py)
+                os._exit(EXIT_CODES[sig.name])  # Ray's processes go with the driver (cluster/reaper.py)
             return  # (not reached: os._exit does not return)
         self.request(sig.name)
         self.say(

@@ -16,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
+from pydantic import Field, field_validator
+
+from schema import ConfigError, Section
 
 RUN_FILES = "jsonl"  # the run directory's own record, always on (RunLog writes it)
 WANDB_MISSING = (
@@ -133,8 +136,6 @@ class WandbTracker:
         try:
             import wandb
         except ImportError:
-            from launch.config import ConfigError  # launch.config reads this module's names
-
             raise ConfigError(WANDB_MISSING) from None
         os.environ.setdefault("WANDB_SILENT", "true")
         self.wandb = wandb
@@ -142,8 +143,6 @@ class WandbTracker:
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         if ctx.mode == "online" and not wandb.login(prompt=False, verify=False):
-            from launch.config import ConfigError
-
             raise ConfigError(
                 "run.wandb_mode is online but W&B has no API key; run `wandb login` (or set WANDB_API_KEY), "
                 f"or use run.wandb_mode=offline and `wandb sync {ctx.root / 'wandb' / 'offline-run-*'}` later"
@@ -238,3 +237,31 @@ def build_trackers(names: list[str], ctx: TrackerContext) -> dict[str, Tracker]:
                 raise
             ctx.say(f"tensorboard is not importable ({exc}); metrics go to metrics.jsonl only")
     return trackers
+
+
+class TrackingConfig(Section):
+    """Where a run's metrics go and how the console shows them: the tracking fields of the ``run`` section."""
+
+    trackers: list[str] = Field(
+        default_factory=lambda: [RUN_FILES, "tensorboard"],
+        description=f"Where metrics go, from {', '.join(CHOICES)}: jsonl (metrics/samples/eval.jsonl in "
+        "the run directory, required: the report, the tuner and resume read them), tensorboard (RUN_DIR/tb: "
+        "scalars, staleness/reward/length histograms, sample completions), wandb (Weights & Biases, RUN_DIR/wandb; "
+        "pip install 'tandem-rl[wandb]'). On the command line: run.trackers=[jsonl,tensorboard,wandb].",
+    )
+    wandb_project: str = Field("tandem", description="W&B project of the run (run.trackers has wandb).")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: W&B writes RUN_DIR/wandb only (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it "
+        "later); online: streams to the W&B server and needs a login (`wandb login` or WANDB_API_KEY).",
+    )
+    live: bool = Field(
+        True,
+        description="In a terminal, a live view at the bottom (progress bar, ETA, latest numbers) instead of a "
+        "line a step; without a terminal (a pipe, a file, CI, Ray job logs) the plain lines either way.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers(cls, names: list[str]) -> list[str]:
+        return check_trackers(names)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launch.timeline_stats import extent, lanes
+from observe.timeline_stats import extent, lanes
 
 
 def trace_events(spans: list[dict[str, Any]], name: str = "tandem run", pid: int = 1) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from launch.checkpoints import CheckpointError, CheckpointStore, problem
+from runtime.checkpoints import CheckpointError, CheckpointStore, problem
 
 
 def export_model(run_dir: str | Path, out: str | Path, step: int | None = None, say=print) -> Path:

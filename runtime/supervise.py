@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.logs import DEATH_MARK, append_log, exception_lines, last_error_line
-from launch.ledger import PromptLedger
-from launch.stepping import ActorFailed, ActorWatch, loop_cause, ray_death
+from runtime.ledger import PromptLedger
+from runtime.stepping import ActorFailed, ActorWatch, loop_cause, ray_death
 
 LINE_CHARS = 300  # a death's one line is cut to this
 

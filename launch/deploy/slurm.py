@@ -13,7 +13,7 @@ import shlex
 from string import Template
 
 from launch.config import TandemConfig
-from launch.submit import LaunchError, check_allocation, train_command
+from launch.deploy.submit import LaunchError, check_allocation, train_command
 
 # #SBATCH lines are read by sbatch, not bash, so quoting does not apply there: accept only plain tokens.
 _DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9._:+-]+")

@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from launch.run_stats import RunData, series
-from launch.timeline_stats import (
+from observe.run_stats import RunData, series
+from observe.timeline_stats import (
     WAIT_KINDS,
     Interval,
     actor_idle_per_step,

@@ -44,8 +44,8 @@ def prepare_math_model(root: str | Path, steps: int = 600, seed: int = 0, say: C
 
 
 def run_math_example(overrides: list[str], sft_steps: int = 600) -> int:
-    from launch.evaluate import run_evaluation
     from launch.run import run_training
+    from launch.tools.evaluate import run_evaluation
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

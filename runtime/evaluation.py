@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import Field, model_validator
 
-from launch.config import EvalConfig
-from launch.stepping import settled
 from queues.messages import PromptRequest, TrajectoryGroup
+from runtime.stepping import settled
+from schema import Section
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -68,6 +69,44 @@ def eval_metrics(groups: list[TrajectoryGroup], correct_reward: float) -> dict[s
     versions = [int(np.min(t.policy_versions)) for t in trajs if len(t.policy_versions)]
     out["eval/policy_version"] = min(versions) if versions else 0
     return out
+
+
+class EvalConfig(Section):
+    prompts: str | None = Field(
+        None, description="Held-out rows to evaluate on, in any form data.prompts takes (columns mapped the same way)."
+    )
+    split: str = Field("test", description="Split of eval.prompts when it is a dataset directory or name.")
+    subset: str | None = Field(None, description="Configuration of eval.prompts (default: data.subset).")
+    prompt_field: str | None = Field(None, description="Prompt column of eval.prompts (default: data.prompt_field).")
+    answer_field: str | None = Field(None, description="Answer column of eval.prompts (default: data.answer_field).")
+    fraction: float = Field(
+        0.0, ge=0, lt=1, description="Hold this fraction of data.prompts out of training and evaluate on it instead."
+    )
+    max_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N held-out rows only.")
+    every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate every N steps; with a held-out set it also runs before step 1 and after the last one.",
+    )
+    samples: int = Field(4, gt=0, description="Completions per held-out prompt (k of pass@k).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
+    correct_reward: float = Field(
+        1.0, description="A completion counts as correct (for pass@k) when its reward is at least this."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if self.prompts and self.fraction:
+            raise ValueError("set eval.prompts or eval.fraction, not both")
+        if self.every and not self.enabled:
+            raise ValueError(
+                f"eval.every = {self.every} but there is nothing to evaluate on; set eval.prompts or eval.fraction"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prompts or self.fraction)
 
 
 @dataclass

@@ -5,7 +5,7 @@ Each probed setting is ``run.max_staleness`` (``--staleness``), ``rollout.weight
 and an actor:learner split the configured resources allow (``splits``). Each trains ``--steps``
 steps of the real job in a run directory of its own under ``<run.output_dir>/tune-<name>-<stamp>/``
 (no evaluation, no final save), and its ``metrics.jsonl`` and ``timeline.jsonl`` say how it went
-(``launch/run_stats.py``): trained tokens/s, learner and actor idle, dropped-stale groups, the TIS
+(``observe/run_stats.py``): trained tokens/s, learner and actor idle, dropped-stale groups, the TIS
 truncated fraction and the sampler/learner mismatch KL.
 
 The recommendation (``recommend``): of the settings whose off-policy metrics stay under
@@ -139,7 +139,7 @@ def probe_settings(cfg: TandemConfig, staleness: list[int], modes: list[str]) ->
 
 def measure(setting: Setting, run_dir: str) -> Measurement:
     """The probe's figures, from its run directory."""
-    from launch.run_stats import load_run, run_summary
+    from observe.run_stats import load_run, run_summary
 
     s = run_summary(load_run(run_dir))
     number = lambda key: float(s.get(key) or 0.0)  # noqa: E731  (None: not recorded, e.g. TIS off)

@@ -3,12 +3,12 @@
 ``runs/<name>-<timestamp>/`` holds ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one line per step, with the prompt ids it trained on), ``samples.jsonl``
 (a few completions per step), ``eval.jsonl`` (one line per evaluation round,
-``launch/evaluation.py``), ``timeline.jsonl`` (every process's spans, ``cluster/timeline.py``),
+``runtime/evaluation.py``), ``timeline.jsonl`` (every process's spans, ``cluster/timeline.py``),
 ``tb/`` (TensorBoard event files) and ``wandb/`` (W&B's files) as ``run.trackers`` asks
-(``launch/trackers.py``), ``logs/<process>.log`` (every actor's and learner rank's output),
-``processes.json`` (each process's pid and node), ``checkpoints/`` (``launch/checkpoints.py``),
+(``observe/trackers.py``), ``logs/<process>.log`` (every actor's and learner rank's output),
+``processes.json`` (each process's pid and node), ``checkpoints/`` (``runtime/checkpoints.py``),
 ``model/`` (the trained policy) and, at the end, ``summary.json``. ``RunLog`` also shows the
-progress: a line a step, or the live view in a terminal (``launch/live.py``).
+progress: a line a step, or the live view in a terminal (``observe/live.py``).
 
 A resumed run reopens its directory: the lines of steps after the checkpoint it resumes from
 are dropped (those steps are trained again), TensorBoard purges them too, and W&B continues
@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from launch.config import RunConfig
-from launch.live import StepStatus, build_view, format_seconds
-from launch.trackers import Tracker, TrackerContext, build_trackers
+from observe.live import StepStatus, build_view, format_seconds
+from observe.trackers import Tracker, TrackerContext, TrackingConfig, build_trackers
 
 __all__ = ["RunLog", "format_seconds"]  # format_seconds: launch/cli.py takes it from here
 SAMPLE_COLUMNS = ["prompt", "completion", "reward", "staleness"]  # the samples table in the trackers
@@ -90,14 +89,17 @@ class RunLog:
         total_steps: int,
         stream=None,
         first_step: int = 0,
-        settings: RunConfig | None = None,
+        settings: TrackingConfig | None = None,
         config: dict[str, Any] | None = None,
         view=None,
     ):
         self.root = root
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
-        settings = settings or RunConfig.model_validate((config or {}).get("run") or {})
+        run_section = (config or {}).get("run") or {}  # the resolved config: its tracking fields
+        settings = settings or TrackingConfig.model_validate(
+            {k: v for k, v in run_section.items() if k in TrackingConfig.model_fields}
+        )
         self.view = view or build_view(self.stream, settings.live, total_steps)
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ class RunLog:
         config: dict[str, Any],
         total_steps: int,
         private: bool = False,
-        settings: RunConfig | None = None,
+        settings: TrackingConfig | None = None,
     ) -> RunLog:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -152,7 +154,12 @@ class RunLog:
 
     @classmethod
     def reopen(
-        cls, root: Path, config: dict[str, Any], total_steps: int, first_step: int, settings: RunConfig | None = None
+        cls,
+        root: Path,
+        config: dict[str, Any],
+        total_steps: int,
+        first_step: int,
+        settings: TrackingConfig | None = None,
     ) -> RunLog:
         """A resumed run: the same directory, continued at ``first_step``."""
         write_config(root, config, first_step)
