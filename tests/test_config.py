@@ -92,12 +92,12 @@ def test_config_file_errors(tmp_path):
         load_config(bad)
 
 
-def test_readme_config_reference_is_in_sync():
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", readme, re.S)
-    assert block, "README.md lacks the config reference markers"
+def test_the_config_reference_in_docs_is_in_sync():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    block = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", page, re.S)
+    assert block, "docs/configuration.md lacks the config reference markers"
     assert block.group(1).strip() == config_reference().strip(), (
-        "README config reference is stale: regenerate it with `python -m launch.docs`"
+        "docs/configuration.md's config reference is stale: regenerate it with `python -m launch.docs`"
     )
 
 

@@ -182,10 +182,10 @@ def test_recipe_columns_reach_the_math_reward(name, raw, right, wrong):
     assert fn([row["prompt"]] * 2, [right, wrong], [row, row]) == [1.0, 0.0]
 
 
-def test_readme_recipes_table_lists_every_recipe_and_its_command():
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"^## Recipes\n(.*?)^## ", readme, re.S | re.M)
-    assert match, "README.md has no '## Recipes' section"
+def test_the_recipes_table_lists_every_recipe_and_its_command():
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    match = re.search(r"^## Recipes\n(.*?)^## ", page, re.S | re.M)
+    assert match, "docs/recipes.md has no '## Recipes' section"
     section = match.group(1)
     for name, nodes in NODES.items():
         path = f"configs/recipes/{name}"
