@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from launch.config import config_reference, load_config
+from launch.config import ConfigError, config_reference, load_config
 from launch.deploy.submit import LaunchError, SubmitError
 from launch.run import UnexpectedError, error_message, run_training, user_errors
 
@@ -273,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_evaluation(args.config, args.model, args.overrides)
         if args.command == "report":
-            from observe.report import run_report
+            try:
+                from observe.report import run_report
+            except ImportError as exc:  # matplotlib is the report extra's, not the core install's
+                raise ConfigError(
+                    f"tandem report draws with matplotlib ({exc}): pip install 'tandem-rl[report]'"
+                ) from None
 
             return run_report(args.run_dirs, args.out, args.trace)
         if args.command == "tune":

@@ -235,7 +235,10 @@ def build_trackers(names: list[str], ctx: TrackerContext) -> dict[str, Tracker]:
         except ImportError as exc:
             if name != "tensorboard":
                 raise
-            ctx.say(f"tensorboard is not importable ({exc}); metrics go to metrics.jsonl only")
+            ctx.say(
+                f"tensorboard is not importable ({exc}); metrics go to metrics.jsonl only: "
+                "pip install 'tandem-rl[tensorboard]', or set run.trackers=[jsonl] to say so"
+            )
     return trackers
 
 

@@ -64,3 +64,14 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, module, forbidden, con
     assert out.returncode != 0, out.stdout[-3000:]
     broken = [line for line in out.stdout.splitlines() if line.endswith("BROKEN")]
     assert [line for line in broken if line.startswith(contract)], out.stdout[-3000:]
+
+
+def test_a_training_run_needs_neither_the_report_nor_tensorboard_installed():
+    # matplotlib (the report) and tensorboard (a tracker) are extras: the program that trains imports neither
+    script = (
+        "import sys; import launch.cli, launch.run, launch.train, launch.assemble, observe.run_dir, observe.trackers; "
+        "print(sorted(m for m in ('matplotlib', 'tensorboard') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
