@@ -1,6 +1,6 @@
-"""Turning sampled completions into scored ``TrajectoryGroup``s (shared by both actors).
+"""Turning sampled completions into scored ``TrajectoryGroup``s.
 
-A ``Sample`` is one completion as the engine produced it; ``GroupBuilder`` scores the
+A ``Sample`` is one completion as the rollout produced it (``actors/rollout.py``); ``GroupBuilder`` scores the
 G samples of a prompt with one call to the reward workers (``actors/reward_scorer.py``;
 per-step rewards for process supervision are placed on the tokens that end their steps)
 and packs them into the typed message the results queue carries.
@@ -9,23 +9,13 @@ and packs them into the typed message the results queue carries.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from actors.reward_scorer import RewardScorer, Scored
 from actors.rewards import step_end_tokens
+from actors.rollout import Sample
 from queues.messages import PromptRequest, Trajectory, TrajectoryGroup
-
-
-@dataclass
-class Sample:
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens
-    logprobs: list[float]  # sampler log-prob of each generated token
-    versions: list[int]  # policy version that produced each token
-    finish_reason: str  # "stop" | "length"
-    text: str  # decoded completion, special tokens skipped
 
 
 class GroupBuilder:
@@ -83,7 +73,7 @@ class GroupBuilder:
                 Trajectory(
                     prompt_token_ids=np.asarray(s.prompt_token_ids, dtype=np.int32),
                     completion_token_ids=np.asarray(s.token_ids, dtype=np.int32),
-                    completion_mask=np.ones(len(s.token_ids), dtype=np.uint8),
+                    completion_mask=np.asarray(s.mask, dtype=np.uint8),
                     sampler_logprobs=np.asarray(s.logprobs, dtype=np.float32),
                     policy_versions=np.asarray(s.versions, dtype=np.int32),
                     reward=reward,

@@ -1,8 +1,5 @@
-"""What both generation actors are built from, and what they share: engine arguments, sampling
-parameters, the start-up report.
-
-``GenerationActor`` (weights loaded between generate calls) and ``AsyncGenerationActor``
-(in-flight updates) take the same ``ActorSpec``; the driver builds one per actor.
+"""What a generation actor is built from, and what its two engines share: engine arguments, sampling
+parameters, the start-up report. The driver builds one ``ActorSpec`` per actor.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ class ActorTimeouts:
 
 
 def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
-    """vLLM engine arguments, shared by the sync and the in-flight actor."""
+    """vLLM engine arguments, shared by both engines (between requests and in flight)."""
     import torch
 
     tp = spec.tensor_parallel

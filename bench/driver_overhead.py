@@ -92,6 +92,7 @@ def main() -> None:
     from actors.tiny_model import build_tiny_model
     from launch.build import build_learner_group, start_ray
     from launch.config import load_config
+    from launch.plan import build_plan
     from observe.run_dir import RunLog
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-driver-"))
@@ -127,11 +128,11 @@ def main() -> None:
         f"{args.ranks} ranks; queue -> driver {queue_mb:.0f} MB per step",
         flush=True,
     )
-    start_ray(cfg)
+    start_ray(cfg, build_plan(cfg))
     run = RunLog(tmp / "run", args.steps)
 
     async def go():
-        group = await build_learner_group(cfg, str(model), run)
+        group = await build_learner_group(cfg, build_plan(cfg), str(model), run)
         rows = []
         for step in range(args.steps + 1):  # step 0 warms up
             cpu0, t0 = time.process_time(), time.perf_counter()

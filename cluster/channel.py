@@ -91,6 +91,13 @@ def _open_distributed(config: WeightsConfig, receivers: int, connect_timeout_s: 
 
 _OPENERS = {"ray": _open_ray, "distributed": _open_distributed}
 WEIGHT_BACKENDS = tuple(_OPENERS)  # the choices of weights.backend
+# Why a backend cannot take a new receiver once open (a replacement for a dead actor), by backend
+_FIXED_MEMBERS = {"distributed": "the distributed weight channel is one process group and cannot take a new actor"}
+
+
+def replacement_refused(config: WeightsConfig) -> str | None:
+    """Why a dead actor cannot be replaced on this weight channel, or None when it can."""
+    return _FIXED_MEMBERS.get(config.backend)
 
 
 def open_weight_publisher(config: WeightsConfig, receivers: int, connect_timeout_s: float) -> WeightPublisher:

@@ -1,7 +1,7 @@
 """Spans: what each process was doing, when, for the run's timeline.
 
 Every generation actor and learner rank (and the driver) keeps a ``Spans`` buffer. A span is a
-plain dict, one line of ``RUN_DIR/timeline.jsonl``::
+``Span``; in ``RUN_DIR/timeline.jsonl`` it is one line::
 
     {"process": "actor-0", "kind": "generate", "start": 1764650000.125, "end": 1764650000.9, "version": 3}
 
@@ -24,9 +24,18 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
 
-Span = dict[str, Any]
+
+@dataclass(frozen=True)
+class Span:
+    """One stretch of one process's time."""
+
+    process: str  # who: actor-0, learner-1, driver, ...
+    kind: str  # what it did (the kinds above)
+    start: float  # wall-clock seconds, time.time()
+    end: float
+    version: int | None = None  # the policy version it held (an actor) or produced (a learner rank)
 
 
 class Spans:
@@ -39,7 +48,7 @@ class Spans:
 
     def add(self, kind: str, start: float, end: float, version: int | None = None) -> None:
         if self.enabled:
-            self._spans.append({"process": self.process, "kind": kind, "start": start, "end": end, "version": version})
+            self._spans.append(Span(self.process, kind, start, end, version))
 
     @contextmanager
     def span(self, kind: str, version: int | None = None):

@@ -19,7 +19,7 @@ from pathlib import Path
 from cluster import reaper
 from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
 from launch.config import ModelConfig, TandemConfig
-from launch.plan import actor_environment, build_plan, rank_environment, reward_model_environment
+from launch.plan import Plan, actor_environment, rank_environment, reward_model_environment
 from observe.run_dir import RunLog
 
 
@@ -46,14 +46,14 @@ def prepare_model(model: ModelConfig) -> str:
     return model.path  # a hub id: vLLM and transformers resolve it
 
 
-def start_ray(cfg: TandemConfig, log_to_driver: bool = False, wait_s: float = 0.0) -> None:
+def start_ray(cfg: TandemConfig, plan: Plan, log_to_driver: bool = False, wait_s: float = 0.0) -> None:
     """Join ``resources.address`` or start a local Ray, then check the plan fits: at once, or (``wait_s``,
     a restart after a lost node) once the cluster has room again, within ``wait_s``."""
     import ray
 
     if ray.is_initialized():
         return
-    kinds = build_plan(cfg).kinds
+    kinds = plan.kinds
     # ray.init sets its own SIGTERM handler (sys.exit), which would replace the run's clean stop
     # (runtime/stopping.py): a preemption's SIGTERM must checkpoint like Ctrl-C, so ours is put back.
     on_sigterm = signal.getsignal(signal.SIGTERM)
@@ -184,17 +184,16 @@ async def _await_ready(refs: list, names: list[str], log_paths: list[str], timeo
     return results
 
 
-def generation_actor(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict, index: int):
+def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog, scheduling: dict, index: int):
     """Start generation actor ``index`` (not waiting for it); ``scheduling``: the placement-group
     bundle strategy of each process by name (from ``cluster.placement.reserve``)."""
     import ray
 
-    from actors.async_generation import AsyncGenerationActor
     from actors.generation import GenerationActor
     from actors.spec import ActorSpec
 
-    kind = build_plan(cfg).actors
-    Actor = ray.remote(AsyncGenerationActor if cfg.rollout.weight_update == "inflight" else GenerationActor)
+    kind = plan.actors
+    Actor = ray.remote(GenerationActor)
     name = kind.names()[index]
     spec = ActorSpec(
         name=name,
@@ -207,7 +206,7 @@ def generation_actor(cfg: TandemConfig, model_path: str, run: RunLog, scheduling
         tensor_parallel=cfg.resources.actors.tensor_parallel,  # the engine shards over the actor's GPUs/cores
         log_path=run.log_path(name),
         step_delimiter=cfg.algorithm.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
-        reward_model_actors=tuple(reward_model_names(cfg, run)),
+        reward_model_actors=tuple(reward_model_names(plan, run)),
         timeline=cfg.run.timeline,
     )
     return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
@@ -225,23 +224,23 @@ async def await_actors(cfg: TandemConfig, run: RunLog, actors: list, names: list
 _REWARD_MODELS: dict[str, object] = {}
 
 
-def reward_model_names(cfg: TandemConfig, run: RunLog) -> list[str]:
+def reward_model_names(plan: Plan, run: RunLog) -> list[str]:
     """Ray names of the reward model actors (none without reward.model), unique to the run directory."""
-    kind = build_plan(cfg).reward_model
+    kind = plan.reward_model
     return [f"{run.root.name}-{name}" for name in kind.names()] if kind else []
 
 
-async def build_reward_models(cfg: TandemConfig, run: RunLog, scheduling: dict) -> None:
+async def build_reward_models(cfg: TandemConfig, plan: Plan, run: RunLog, scheduling: dict) -> None:
     """Start the reward model actors (``reward.model``) once per driver and wait until they are up; a
     process without a bundle in ``scheduling`` asks for plain resources."""
     import ray
 
     from actors.reward_model import RewardModelActor
 
-    kind = build_plan(cfg).reward_model
+    kind = plan.reward_model
     if kind is None:
         return
-    names, ray_names = kind.names(), reward_model_names(cfg, run)
+    names, ray_names = kind.names(), reward_model_names(plan, run)
     env = reward_model_environment(kind)
     new = [(n, r) for n, r in zip(names, ray_names) if r not in _REWARD_MODELS]
     for name, ray_name in new:
@@ -257,21 +256,24 @@ async def build_reward_models(cfg: TandemConfig, run: RunLog, scheduling: dict) 
         run.process(info["name"], info)
 
 
-async def build_generation_actors(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict) -> list:
-    await build_reward_models(cfg, run, scheduling)  # the actors look them up by name as they start
-    names = build_plan(cfg).actors.names()
-    actors = [generation_actor(cfg, model_path, run, scheduling, i) for i in range(len(names))]
+async def build_generation_actors(
+    cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog, scheduling: dict
+) -> list:
+    await build_reward_models(cfg, plan, run, scheduling)  # the actors look them up by name as they start
+    names = plan.actors.names()
+    actors = [generation_actor(cfg, plan, model_path, run, scheduling, i) for i in range(len(names))]
     await await_actors(cfg, run, actors, names)
     return actors
 
 
-async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, scheduling: dict | None = None):
+async def build_learner_group(
+    cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog, scheduling: dict | None = None
+):
     """The policy ranks, and the critic ranks and reference actors when they are placed
     separately. ``scheduling``: each process's placement-group bundle strategy by name
     (None: plain resource requests)."""
     from learner.group import LearnerGroup
 
-    plan = build_plan(cfg)
     roles = ("policy",) + (("critic",) if cfg.has_critic and plan.critic is None else ())
     roles += ("reference",) if cfg.has_reference and plan.reference is None else ()
     kinds = [(plan.learner, roles)]
@@ -279,7 +281,10 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, s
         kinds.append((plan.critic, ("critic",)))
     if plan.reference:
         kinds.append((plan.reference, ("reference",)))
-    started = await asyncio.gather(*[_start_ranks(cfg, model_path, run, scheduling, *kind) for kind in kinds])
+    process_names: dict[str, str] = {}  # Ray actor id -> process name: a death's error names the process
+    started = await asyncio.gather(
+        *[_start_ranks(cfg, model_path, run, scheduling, process_names, *kind) for kind in kinds]
+    )
     by_prefix = dict(zip((k.prefix for k, _ in kinds), started))
     return LearnerGroup(
         by_prefix["learner"],
@@ -288,10 +293,13 @@ async def build_learner_group(cfg: TandemConfig, model_path: str, run: RunLog, s
         cfg.rollout.max_tokens,
         critics=by_prefix.get("critic"),
         references=by_prefix.get("reference"),
+        process_names=process_names,
     )
 
 
-async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduling, kind, roles) -> list:
+async def _start_ranks(
+    cfg: TandemConfig, model_path: str, run: RunLog, scheduling, process_names: dict, kind, roles
+) -> list:
     """Start the ``LearnerWorker`` processes of ``kind`` holding ``roles``; the ranks of one kind
     form one DeepSpeed group (a reference actor is a group of one and joins none)."""
     import ray
@@ -326,4 +334,5 @@ async def _start_ranks(cfg: TandemConfig, model_path: str, run: RunLog, scheduli
     infos = await _await_ready(setups, names, logs, cfg.run.startup_timeout_s)
     for name, info in zip(names, infos):
         run.process(name, info)
+        process_names[info["actor_id"]] = name
     return workers

@@ -38,8 +38,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from launch.train import LearnerFailed
     from queues.prompts import DatasetError
     from runtime.checkpoints import CheckpointError
+    from runtime.collector import DataTimeout
     from runtime.health import RunCannotLearn
-    from runtime.stepping import ActorFailed, DataTimeout
+    from runtime.supervise import ActorFailed
 
     return (
         ConfigError,
@@ -121,7 +122,8 @@ def _restartable() -> tuple[type[BaseException], ...]:
     from cluster.channel import WeightsTimeout
     from cluster.dist_channel import WeightPushError
     from launch.train import LearnerFailed
-    from runtime.stepping import ActorFailed, DataTimeout
+    from runtime.collector import DataTimeout
+    from runtime.supervise import ActorFailed
 
     return LearnerFailed, ActorFailed, WeightPushError, WeightsTimeout, DataTimeout
 
@@ -133,12 +135,12 @@ def _shutdown_ray() -> None:
         ray.shutdown()
 
 
-async def _train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows):
+async def _train_with_signals(cfg, plan, run, rows, model_path, stop, resume, eval_rows):
     from launch.train import train
 
     stop.install()
     try:
-        return await train(cfg, run, rows, model_path, stop, resume, eval_rows)
+        return await train(cfg, plan, run, rows, model_path, stop, resume, eval_rows)
     finally:
         stop.uninstall()
 
@@ -166,6 +168,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     from actors.rewards import check_rewards
     from launch.build import prepare_model, remove_local_sessions
     from launch.data import load_run_rows
+    from launch.plan import build_plan
     from launch.preflight import check_answers, check_prompt_lengths, preflight
     from launch.train import time_limit_s
     from observe.run_dir import RunLog, format_seconds, startup_phases
@@ -190,6 +193,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
         config_path = config_path or root / "config.yaml"
     # Everything a user can get wrong is checked before any process starts.
     cfg = load_config(config_path, overrides)
+    plan = build_plan(cfg)  # the run's processes, computed once
     for line in cfg.warnings:
         tell(f"warning: {line}")
     check_rewards(cfg.reward)
@@ -223,7 +227,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
         while True:
             stop = StopRequest(run.say, time_limit_s(cfg), started, on_abort=aborted_summary(run, started, restarts))
             try:
-                progress = asyncio.run(_train_with_signals(cfg, run, rows, model_path, stop, resume, eval_rows))
+                progress = asyncio.run(_train_with_signals(cfg, plan, run, rows, model_path, stop, resume, eval_rows))
                 break
             except _restartable() as exc:
                 _shutdown_ray()

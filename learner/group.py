@@ -1,26 +1,28 @@
 """The learner group: the driver's handle on all data-parallel learner ranks.
 
-One training step over a batch of scored trajectory groups; the batch goes to the ranks once
-and stays there, and only per-sequence values and sums come back:
+One training step over a batch of trajectory groups, as four calls the training loop names; the
+batch goes to the ranks once and stays there, and only per-sequence values and sums come back:
 
-  1. shape the sequence rewards over the whole batch, and plan the step (``learner/step_plan.py``):
-     minibatches balanced over the ranks by tokens, micro-batches, global normalisers;
+  1. ``shape_rewards``: the sequence rewards shaped over the whole batch, and the step planned
+     (``learner/step_plan.py``): minibatches balanced over the ranks by tokens, micro-batches,
+     global normalisers;
   2. ``score``: every rank packs its shard and scores what must precede the update (old and
      reference log-probs, critic values); separately placed critic ranks and reference actors
      score the same shards at the same time, and hand their results to the policy rank of
      each shard directly (Ray object references the driver never fetches);
-  3. ``summarise``: each rank's per-sequence summary for the advantage estimator; the driver
-     reduces them over the whole batch (group baselines need whole groups);
-  4. ``expand``: each rank turns the reduction into per-token advantages; their moments come
-     back for batch-wide whitening;
-  5. ``train``: every rank trains on its shard (separate critic ranks train on theirs at the
-     same time, on targets the policy ranks computed). Rank 0 then publishes the weights.
+  3. ``advantages``: each rank's per-sequence summary for the estimator, reduced by the driver over
+     the whole batch (group baselines need whole groups), expanded by each rank into per-token
+     advantages, whose moments come back for batch-wide whitening;
+  4. ``update``: every rank trains on its shard (separate critic ranks train on theirs at the
+     same time, on targets the policy ranks computed).
+Then ``publish_weights``: every rank exports, rank 0 publishes. ``train_step`` chains 1-4 for tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,27 @@ from learner.config import AlgorithmConfig
 from learner.returns import RewardStats, penalised_rewards, shape_sequence_rewards
 from learner.step_plan import StepPlan, plan_step
 from queues.messages import Trajectory, TrajectoryGroup
+
+
+@dataclass
+class Scores:
+    """A step after ``score``: its plan, and per policy rank the Ray references of what a separate critic
+    and reference scored on its shard (none when they are colocated)."""
+
+    plan: StepPlan
+    imports: list[list]
+
+
+@dataclass
+class Advantages:
+    """A step after ``advantages``: its plan, each rank's summary (KL sums, token counts), the value targets
+    each policy rank computed for a separate critic (Ray references), and the batch's advantage moments
+    when advantages are whitened."""
+
+    plan: StepPlan
+    summaries: list
+    targets: list
+    whitening: np.ndarray | None
 
 
 def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -90,8 +113,10 @@ class LearnerGroup:
         max_tokens: int,
         critics: list | None = None,
         references: list | None = None,
+        process_names: dict[str, str] | None = None,
     ):
         self.workers = workers
+        self.process_names = process_names or {}  # Ray actor id -> process name (learner-0, critic-1, ...)
         self.critics, self.references = critics or [], references or []
         self.algorithm = algorithm
         self.estimator = algorithm.method.estimator(algorithm)
@@ -99,8 +124,9 @@ class LearnerGroup:
         self.reward_stats = RewardStats()
         self.kl_beta = algorithm.kl.beta if algorithm.kl.enabled else 0.0
 
-    def plan(self, groups: list[TrajectoryGroup]) -> StepPlan:
-        """Step 1: shaped rewards and every rank's shard."""
+    # --- one training step, in the order the training loop calls them -----------------------
+    def shape_rewards(self, groups: list[TrajectoryGroup]) -> StepPlan:
+        """Step 1: each sequence's shaped reward, and every rank's shard (sent once, kept by the rank)."""
         algo = self.algorithm
         trajs = [t for g in groups for t in g.trajectories]  # group order
         if algo.mask_truncated:  # overlong filtering: cut completions count in their group, train no token
@@ -110,35 +136,46 @@ class LearnerGroup:
         trained = trained_tokens(trajs)
         steps = algo.method.per_step_rewards
         ranks = len(self.workers)
-        return plan_step(trajs, shaped, trained, ranks, self.token_budget, algo.minibatches, algo.epochs, steps)
+        plan = plan_step(trajs, shaped, trained, ranks, self.token_budget, algo.minibatches, algo.epochs, steps)
+        return dataclasses.replace(plan, group_size=len(groups[0].trajectories))
 
-    async def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        algo, beta = self.algorithm, self.kl_beta
-        plan = self.plan(groups)
+    async def score(self, plan: StepPlan) -> Scores:
+        """Step 2: the log-probs of the policy that sampled (pi_old, when it must be scored) and of the
+        reference, and critic values. The policy ranks keep what they score; a separate critic's and
+        reference's results stay in Ray's object store until the policy rank of the shard takes them."""
         shards = plan.shards
-        # 2. score: the policy ranks keep what they score; the others' results stay in Ray's object store
         scored = [w.score.remote(s) for w, s in zip(self.workers, shards, strict=True)]
         critic_scores = [c.score.remote(s) for c, s in zip(self.critics, shards)]  # none, or one per shard
         refs = self.references
         ref_scores = [refs[i % len(refs)].score.remote(s) for i, s in enumerate(shards)] if refs else []
         await asyncio.gather(*scored)
-        # 3. summarise on the ranks (each takes its shard's separate scores directly), reduce here
         imports = [[*critic_scores[i : i + 1], *ref_scores[i : i + 1]] for i in range(len(shards))]
+        return Scores(plan, imports)
+
+    async def advantages(self, scores: Scores) -> Advantages:
+        """Step 3: each rank summarises its sequences for the estimator; the driver reduces the summaries
+        over the whole batch (group baselines need whole groups); each rank expands the reduction into
+        per-token advantages, whose moments come back for batch-wide whitening."""
+        plan, beta = scores.plan, self.kl_beta
         summaries = await asyncio.gather(
-            *[w.summarise.remote(beta, *imp) for w, imp in zip(self.workers, imports, strict=True)]
+            *[w.summarise.remote(beta, *imp) for w, imp in zip(self.workers, scores.imports, strict=True)]
         )
-        reduced = self.estimator.reduce(plan.gather([s.per_sequence for s in summaries]), len(groups[0].trajectories))
-        # 4. expand to token advantages on the ranks
+        reduced = self.estimator.reduce(plan.gather([s.per_sequence for s in summaries]), plan.group_size)
         expanded = [
             w.expand.options(num_returns=2).remote(local)
             for w, local in zip(self.workers, plan.scatter(reduced), strict=True)
         ]
         stats = await asyncio.gather(*[stats_ref for stats_ref, _ in expanded])
         moments = np.sum([s.moments for s in stats], axis=0)  # [count, sum, sum of squares] of A over the batch
-        whitening = moments if algo.whiten_advantages else None
-        # 5. train: the policy ranks, and separate critic ranks on the policy ranks' targets
-        calls = [w.train.remote(whitening, beta) for w in self.workers]
-        calls += [c.train.remote(None, beta, targets) for c, (_, targets) in zip(self.critics, expanded)]
+        whitening = moments if self.algorithm.whiten_advantages else None
+        return Advantages(plan, summaries, [targets for _, targets in expanded], whitening)
+
+    async def update(self, advantages: Advantages) -> dict[str, float]:
+        """Step 4: every rank trains on its shard (separate critic ranks on the targets the policy ranks
+        computed, at the same time); the KL coefficient adapts. Returns the step's learner metrics."""
+        algo, beta, summaries = self.algorithm, self.kl_beta, advantages.summaries
+        calls = [w.train.remote(advantages.whitening, beta) for w in self.workers]
+        calls += [c.train.remote(None, beta, targets) for c, targets in zip(self.critics, advantages.targets)]
         results = await asyncio.gather(*calls)
         metrics = merge_rank_metrics(list(results[: len(self.workers)]))
         if self.critics:  # the critic's own metrics; its ranks trained the same tokens
@@ -149,9 +186,14 @@ class LearnerGroup:
             kl_mean = sum(s.kl_sum for s in summaries) / max(sum(s.tokens for s in summaries), 1.0)
             metrics.update(kl_ref_mean=kl_mean, kl_beta=beta)
             if algo.kl.adaptive:
-                n = plan.num_sequences
+                n = advantages.plan.num_sequences
                 self.kl_beta = adaptive_kl_beta(beta, kl_mean, algo.kl.target, n, algo.kl.horizon)
         return metrics
+
+    async def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """Steps 1-4 in one call (for tests and benchmarks; the training loop names each)."""
+        plan = self.shape_rewards(groups)
+        return await self.update(await self.advantages(await self.score(plan)))
 
     # --- checkpoints ------------------------------------------------------------------------
     def _trained(self) -> list:
@@ -186,7 +228,7 @@ class LearnerGroup:
         ``names``; returns the receiver each actor fetches from, in order."""
         return await self.workers[0].open_weight_publisher.remote(weights, names, connect_timeout_s)
 
-    async def publish_weights(self, version: int) -> list[dict]:
+    async def publish_weights(self, version: int) -> list:
         """Every rank exports (ZeRO-3 gathers); rank 0 publishes ``version`` on the channel.
         Returns the step's timeline spans of every learner process (``cluster/timeline.py``)."""
         published = [w.publish_weights.remote(version) for w in self.workers]

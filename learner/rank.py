@@ -32,9 +32,7 @@ from learner.objective import aggregation_weights, build_objective
 from learner.packing import PackedInputs, packed_at_completion, packed_completion_logprobs
 from learner.rank_batch import RankBatch
 from learner.returns import token_rewards
-from learner.shard import RankAdvantages, RankShard, RankSummary
-
-Exports = dict[str, np.ndarray]  # per-token values in the shard's flat order, for another process of the shard
+from learner.shard import Exports, RankAdvantages, RankShard, RankSummary
 
 
 def _parameters(model) -> list:
@@ -157,13 +155,14 @@ class RankStep:
                     mask = batch.part("completion_tokens", micro)
                     for name, scorer in scorers.items():
                         batch.write(name, micro, scorer(micro, mask))
-        exports = {} if self.models.policy is not None else {name: batch.export_flat(name) for name in scorers}
+        exported = {} if self.models.policy is not None else {name: batch.export_flat(name) for name in scorers}
+        exports = Exports(**exported)
         self.batch = batch if self._trainable() else None  # a reference-only process keeps nothing
         return exports
 
     def _import(self, imports: tuple[Exports, ...]) -> None:
         for exports in imports:
-            for name, flat in exports.items():
+            for name, flat in exports.columns():
                 self.batch.import_flat(name, flat)
 
     def summarise(self, kl_beta: float, *imports: Exports) -> RankSummary:
@@ -189,11 +188,11 @@ class RankStep:
         tokens = self.tokens
         advantages, returns = self.estimator.expand(tokens, {k: torch.from_numpy(v) for k, v in per_sequence.items()})
         self.batch.set("advantages", advantages)
-        exports = {}
+        exports = Exports()
         if returns is not None:
             self.batch.set("returns", returns)
             if self.models.critic is None:
-                exports["returns"] = self.batch.export_flat("returns")
+                exports.returns = self.batch.export_flat("returns")
         return RankAdvantages(masked_moments(advantages, tokens.mask).numpy()), exports
 
     def train(self, whitening: np.ndarray | None, kl_beta: float, *imports: Exports) -> dict[str, float]:

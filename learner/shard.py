@@ -9,7 +9,7 @@ same way from ``completion_ids``; every per-completion-token array is sliced lik
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -105,3 +105,18 @@ class RankAdvantages:
     """What a rank sends back after computing its advantages: sums for batch-wide statistics."""
 
     moments: np.ndarray  # float64 [3]: count, sum and sum of squares of the advantages over trained tokens
+
+
+@dataclass
+class Exports:
+    """What one process of a shard hands another process of the same shard: per-token values in the
+    shard's flat order (``RankBatch.export_flat``). A separate reference sends its log-probs and a
+    separate critic its values to the policy rank; the policy rank sends its value targets to the critic."""
+
+    ref_logprobs: np.ndarray | None = None  # log pi_ref of every token
+    old_values: np.ndarray | None = None  # V_old of every token
+    returns: np.ndarray | None = None  # the critic's targets
+
+    def columns(self) -> list[tuple[str, np.ndarray]]:
+        """``(column, values)`` of what is set."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]

@@ -23,6 +23,7 @@ from queues.messages import Trajectory
 class StepPlan:
     order: list[np.ndarray]  # per rank: the global index of each of its sequences, in its local order
     shards: list[RankShard]  # what each rank receives
+    group_size: int = 0  # samples per prompt: the estimator's groups are this many consecutive sequences
 
     @property
     def num_sequences(self) -> int:

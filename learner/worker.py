@@ -14,6 +14,7 @@ reference actor holds only the reference and no process group.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -25,7 +26,7 @@ from cluster.channel import WeightPublisher, WeightReceiver, open_weight_publish
 from cluster.config import WeightsConfig
 from cluster.dist_group import bound_store, listening_socket
 from cluster.logs import redirect_output
-from cluster.timeline import Spans
+from cluster.timeline import Span, Spans
 from learner import saving
 from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
@@ -136,7 +137,13 @@ class LearnerWorker:
         if "policy" in spec.roles or "critic" in spec.roles:
             self._init_distributed(master_addr, master_port, cuda, spec.learner.collective_timeout_s)
         self.build(spec, attention)
-        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+        context = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node": context.get_node_id(),
+            "actor_id": context.get_actor_id(),
+        }
 
     def build(self, spec: RankSpec, attention: Attention) -> None:
         """This process's models (loaded with ``attention``'s kernel), packing layout and ``RankStep``.
@@ -302,7 +309,7 @@ class LearnerWorker:
         self.publisher = open_weight_publisher(weights, len(names), connect_timeout_s)
         return self.publisher.receivers(names)
 
-    def publish_weights(self, version: int) -> list[dict]:
+    def publish_weights(self, version: int) -> list[Span]:
         """Every rank (gathering ZeRO-3 shards is a collective); rank 0 publishes, and raises
         (``WeightPushError`` on the distributed channel) naming any actor that missed the deadline.
         Returns this rank's spans of the step, each marked with the ``version`` it produced."""
@@ -312,13 +319,10 @@ class LearnerWorker:
                 self.publisher.publish(version, named)
         return self.take_spans(version)
 
-    def take_spans(self, version: int) -> list[dict]:
+    def take_spans(self, version: int) -> list[Span]:
         """This process's spans since the last take, each marked with the ``version`` its step
         produced (a separate critic or reference process is asked for them at each publish)."""
-        spans = self.spans.take()
-        for span in spans:
-            span["version"] = version
-        return spans
+        return [dataclasses.replace(span, version=version) for span in self.spans.take()]
 
     def close_weight_publisher(self) -> None:
         if self.publisher is not None:

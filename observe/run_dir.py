@@ -17,6 +17,7 @@ the same run (its id is in ``wandb-run-id``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -179,9 +180,9 @@ class RunLog:
             rows = [[r.get(column) for column in SAMPLE_COLUMNS] for r in records]
             self._track(lambda t: t.table(records[0]["step"], "samples", SAMPLE_COLUMNS, rows))
 
-    def timeline(self, spans: list[dict[str, Any]]) -> None:
-        """Append spans (``cluster/timeline.py``) to ``timeline.jsonl``."""
-        self._timeline.writelines(json.dumps(span) + "\n" for span in spans)
+    def timeline(self, spans: list) -> None:
+        """Append spans (``cluster.timeline.Span``) to ``timeline.jsonl``, one JSON object a line."""
+        self._timeline.writelines(json.dumps(dataclasses.asdict(span)) + "\n" for span in spans)
 
     def mark(self, phase: str, since: str | None = None) -> None:
         """Note that the start-up phase ``phase`` ended now. It began when ``since`` ended, or (None)

@@ -73,3 +73,17 @@ class TrajectoryGroup:
     @property
     def oldest_version(self) -> int:
         return min((int(np.min(t.policy_versions)) if len(t.policy_versions) else 0) for t in self.trajectories)
+
+
+@dataclass
+class ActorReport:
+    """What a generation actor's loop returns when the queues close (the run's end)."""
+
+    name: str  # the actor: actor-0, ...
+    groups: int  # prompt groups it pushed to the results queue
+    weight_loads: int  # policy versions it loaded
+    spans: list = field(default_factory=list)  # its spans since its last push (cluster/timeline.py)
+
+    def summary(self) -> dict[str, int | str]:
+        """The report as ``summary.json`` lists it (the spans go to the timeline)."""
+        return {"name": self.name, "groups": self.groups, "weight_loads": self.weight_loads}

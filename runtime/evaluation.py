@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from queues.messages import PromptRequest, TrajectoryGroup
-from runtime.stepping import settled
+from runtime.collector import settled
 from schema import Section
 
 

@@ -41,6 +41,7 @@ class RunHealth:
         self.nonfinite_total = 0
         self.uniform_streak = 0
         self.started_uniform: bool | None = None  # the policy's first step was already uniform
+        self.said_oversample = False
 
     def state(self) -> dict[str, Any]:
         return {"nonfinite_total": self.nonfinite_total, "started_uniform": self.started_uniform}
@@ -53,6 +54,17 @@ class RunHealth:
         self._rewards(step, groups)
         self._updates(step, groups, metrics)
         self._collapse(step, groups, metrics)
+
+    def oversample_reached(self, step: int, max_oversample: float, prompts_per_step: int) -> None:
+        """Dynamic sampling hit its limit: zero-variance groups filled the batch. Said once a run."""
+        if self.said_oversample:
+            return
+        self.said_oversample = True
+        self.say(
+            f"step {step + 1}: dynamic sampling reached algorithm.max_oversample ({max_oversample:g} x "
+            f"{prompts_per_step} groups): zero-variance groups fill the batch; most groups have equal rewards "
+            "(too easy or too hard a task?)"
+        )
 
     def _collapse(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
         entropy, top = metrics.get("entropy"), metrics.get("uniform_entropy")

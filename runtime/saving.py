@@ -97,6 +97,11 @@ class RunSaver:
         every_s = self.settings.checkpoint_every_s
         return bool(every_s) and time.monotonic() - self.last_at >= every_s
 
+    def due(self, done: int) -> bool:
+        """A checkpoint belongs after ``done`` steps: every ``run.checkpoint_every`` steps, or by time."""
+        every = self.settings.checkpoint_every
+        return bool(every and done % every == 0) or self.time_due()
+
     async def checkpoint(self) -> None:
         progress = self.progress
         done, t0 = progress.done, time.monotonic()

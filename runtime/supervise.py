@@ -28,14 +28,78 @@ import collections
 import os
 import re
 import traceback
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from cluster.logs import DEATH_MARK, append_log, exception_lines, last_error_line
-from runtime.ledger import PromptLedger
-from runtime.stepping import ActorFailed, ActorWatch, loop_cause, ray_death
+from runtime.admission import Admission
 
 LINE_CHARS = 300  # a death's one line is cut to this
+
+
+class ActorFailed(RuntimeError):
+    """A generation actor's loop ended with an error."""
+
+
+class ActorWatch:
+    """The generation actors' ``run`` loops, by actor name; one that ends during a run failed.
+    (``runtime/supervise.py`` replaces such an actor instead.)"""
+
+    def __init__(self, actor_loops: dict, run):
+        self.run = run
+        self.refs = {name: ref for ref, name in actor_loops.items()}  # each actor's current loop
+        # an awaitable per actor loop, created once: waiting on them is how a dead actor is noticed
+        self.loops = {asyncio.ensure_future(ref): name for ref, name in actor_loops.items()}
+
+    def watch(self, ref, name: str) -> None:
+        self.refs[name] = ref
+        self.loops[asyncio.ensure_future(ref)] = name
+
+    async def ended(self, loop: asyncio.Future) -> None:
+        """``loop`` has ended: raise ``ActorFailed``."""
+        raise ActorFailed(
+            f"{self.loops[loop]} stopped: {loop_cause(loop)}; full log: {self.run.log_path(self.loops[loop])}"
+        )
+
+    def close(self) -> None:
+        """Stop watching (the run is ending): a loop that ended with an error has been reported,
+        or the run failed for another reason first."""
+        for loop in self.loops:
+            if loop.done() and not loop.cancelled():
+                loop.exception()  # retrieved: not logged again as "never retrieved"
+            else:
+                loop.cancel()
+
+
+def ray_death(text: str) -> str:
+    """What Ray's text about a dead actor says happened, in words, in place of its paragraph of
+    possible causes (repeated at every death). The exit type Ray records tells them apart."""
+    pid = re.search(r"\bpid[:=]\s*(\d+)", text)
+    process = f"its process (pid {pid.group(1)})" if pid else "its process"
+    if "NODE_OUT_OF_MEMORY" in text or "running low on memory" in text:
+        return f"Ray's memory monitor killed {process}: its node ran low on memory"
+    if "node has died" in text or "NODE_DIED" in text or "node was terminated" in text:
+        return f"{process} was lost with its node (the machine stopped or left the cluster)"
+    if "is unavailable" in text:
+        return f"{process} cannot be reached: its node left the cluster, or the process hangs"
+    if "INTENDED_USER_EXIT" in text or "INTENDED_SYSTEM_EXIT" in text:
+        return f"{process} was stopped on purpose (ray stop, or its job ended)"
+    if "SYSTEM_ERROR" in text or "connection error" in text or "died unexpectedly" in text:
+        return (
+            f"{process} ended without raising an error: a signal killed it (kill -9, or the kernel's OOM "
+            "killer: see dmesg) or it crashed"
+        )
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0][:200] if lines else "it died"
+
+
+def loop_cause(loop: asyncio.Future) -> str:
+    if loop.cancelled():
+        return "its loop was cancelled"
+    if loop.exception() is None:
+        return "its loop returned early"
+    text = str(loop.exception()).strip()
+    return text.splitlines()[-1] if text else type(loop.exception()).__name__
 
 
 class ActorKeepsFailing(ActorFailed):
@@ -111,31 +175,39 @@ def fix_for(line: str) -> str:
     return "fix what it names (the traceback is at the end of the log), then resume"
 
 
+class ActorStarter(Protocol):
+    """How the pool starts an actor and its loop (``launch/build.py`` makes the real one)."""
+
+    async def start(self, index: int) -> object:
+        """A new, ready generation actor ``index`` (on its placement bundle, placed again if its node is gone)."""
+
+    def run_loop(self, actor: object, index: int) -> object:
+        """Start ``actor``'s ``run`` loop; returns its Ray reference."""
+
+
 class ActorPool(ActorWatch):
+    """The generation actors, by name: their loops are watched, and a dead one is replaced."""
+
     def __init__(
         self,
         actors: list,
         names: list[str],
-        start_loop: Callable[[object, int], object],
-        start_actor: Callable[[int], Awaitable[object]],
+        starter: ActorStarter,
         run,
-        ledger: PromptLedger,
+        admission: Admission,
         queues: tuple,
-        on_requeue: Callable[[int], Awaitable],
         max_restarts: int,
         cannot_restart: str | None = None,
         restarts: dict[str, int] | None = None,
     ):
-        """``start_loop(actor, index)``: the actor's ``run`` call; ``start_actor(index)``: a new,
-        ready actor; ``queues``: (prompt queue, results queue); ``on_requeue(n)``: n prompts are
+        """``queues``: (prompt queue, results queue); ``admission`` has the prompts a dead actor held
         generated again; ``cannot_restart``: why no actor can be replaced, or None."""
-        self.actors, self.names = list(actors), names
-        self.start_loop, self.start_actor = start_loop, start_actor
-        self.ledger, self.queues, self.on_requeue = ledger, queues, on_requeue
+        self.actors, self.names, self.starter = list(actors), names, starter
+        self.admission, self.queues = admission, queues
         self.max_restarts, self.cannot_restart = max_restarts, cannot_restart
         self.restarts = collections.Counter(restarts or {})
         self.deaths: dict[str, str] = {}  # a death's signature -> the actor that died so first
-        super().__init__({start_loop(a, i): n for i, (a, n) in enumerate(zip(actors, names, strict=True))}, run)
+        super().__init__({starter.run_loop(a, i): n for i, (a, n) in enumerate(zip(actors, names, strict=True))}, run)
 
     @property
     def total_restarts(self) -> int:
@@ -171,16 +243,15 @@ class ActorPool(ActorWatch):
         )
         index = self.names.index(name)
         _kill(self.actors[index])  # its resources (a placement bundle) go to the new one
-        self.ledger.again(held)
-        await self.on_requeue(len(held))
-        self.actors[index] = await self.start_actor(index)
-        self.watch(self.start_loop(self.actors[index], index), name)
+        await self.admission.again(held)
+        self.actors[index] = await self.starter.start(index)
+        self.watch(self.starter.run_loop(self.actors[index], index), name)
 
     async def _held_by(self, name: str) -> list[int]:
         prompt_queue, results_queue = self.queues
         taken = await prompt_queue.taken_by(name)
         waiting = set(await results_queue.prompt_ids())
-        return sorted(i for i in set(taken) if self.ledger.is_outstanding(i) and i not in waiting)
+        return sorted(i for i in set(taken) if self.admission.outstanding(i) and i not in waiting)
 
 
 def _kill(actor) -> None:

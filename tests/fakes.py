@@ -124,3 +124,43 @@ class PlainEngine:
 
     def get_global_grad_norm(self):
         return None
+
+
+class RecordingAdmission:
+    """Admission as the batch collector sees it (``runtime/admission.py``), recording what it is told:
+    the groups too stale to train, the groups left out without a signal. With ``pace``, each frees a place."""
+
+    def __init__(self, pace=None, stale_ok: bool = True, no_signal_ok: bool = True):
+        self.pace, self.stale_ok, self.no_signal_ok = pace, stale_ok, no_signal_ok
+        self.stale: list[int] = []  # prompt ids
+        self.left_out: list[int] = []
+
+    def is_new(self, group: TrajectoryGroup) -> bool:
+        return True
+
+    async def too_stale(self, group: TrajectoryGroup) -> None:
+        assert self.stale_ok, f"group {group.prompt_id} was found too stale"
+        self.stale.append(group.prompt_id)
+        if self.pace is not None:
+            await self.pace.drop()
+
+    async def no_signal(self, group: TrajectoryGroup) -> None:
+        assert self.no_signal_ok, f"group {group.prompt_id} was left out as without signal"
+        self.left_out.append(group.prompt_id)
+        if self.pace is not None:
+            await self.pace.drop()
+
+
+class FakeStarter:
+    """An actor starter as the actor pool uses it (``launch/assemble.py``): each started loop is the next of
+    ``loops``; each started actor is ``new-<index>``, recorded in ``started``."""
+
+    def __init__(self, loops):
+        self.loops, self.started = iter(loops), []
+
+    async def start(self, index: int):
+        self.started.append(index)
+        return f"new-{index}"
+
+    def run_loop(self, actor, index: int):
+        return next(self.loops)

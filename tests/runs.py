@@ -14,6 +14,7 @@ from actors.spec import ActorSpec
 from cluster.placement import ProcessKind, ray_options
 from launch.build import build_learner_group
 from launch.cli import main
+from launch.plan import build_plan
 from learner.environment import rank_env
 from tests.fakes import make_group
 
@@ -77,7 +78,7 @@ def train_group(ray, cfg, model_path: str, run, batches: list) -> tuple[tuple[in
     policy ranks, critic ranks, reference actors), each step's metrics, and the weights by name."""
 
     async def go():
-        group = await build_learner_group(cfg, model_path, run)
+        group = await build_learner_group(cfg, build_plan(cfg), model_path, run)
         kinds = (len(group.workers), len(group.critics), len(group.references))
         metrics = [await group.train_step(b) for b in batches]
         exported = await asyncio.gather(*[w.export_weights.remote() for w in group.workers])  # ZeRO-3: all ranks

@@ -17,9 +17,10 @@ import runtime.supervise as supervise
 from cluster.logs import VLLM_DUMP_LOGGER, VllmDumpFilter, exception_lines, last_error_line, quiet_vllm_dumps
 from queues.bounded import LocalQueue
 from queues.prompts import PromptStream
+from runtime.admission import Admission, Pace
 from runtime.ledger import PromptLedger
-from runtime.stepping import ActorFailed
-from runtime.supervise import ActorKeepsFailing, ActorPool, describe_death
+from runtime.supervise import ActorFailed, ActorKeepsFailing, ActorPool, describe_death
+from tests.fakes import FakeStarter
 
 # vLLM 0.32's engine-failure dump (vllm/logging_utils/dump_input.py): three records, the config's
 # repr and every scheduled request's token ids; ~10 KB each in the run that showed it
@@ -157,24 +158,16 @@ def build_pool(tmp_path, deaths: list[BaseException], max_restarts: int = 3) -> 
     for exc in deaths:
         futures.append(loop.create_future())
         futures[-1].set_exception(exc)
-    loops = iter(futures + [loop.create_future() for _ in range(4)])
-
-    async def start_actor(index):
-        return f"new-{index}"
-
-    async def on_requeue(n):
-        pass
-
     supervise._kill = lambda actor: None
+    prompts = LocalQueue("prompt", 10)
+    ledger = PromptLedger(PromptStream([{"prompt": "p"}] * 4, seed=0, shuffle=False))
     return ActorPool(
         ["a0", "a1"],
         ["actor-0", "actor-1"],
-        start_loop=lambda actor, i: next(loops),
-        start_actor=start_actor,
-        run=FakeRun(tmp_path / "logs"),
-        ledger=PromptLedger(PromptStream([{"prompt": "p"}] * 4, seed=0, shuffle=False)),
-        queues=(LocalQueue("prompt", 10), LocalQueue("results", 10)),
-        on_requeue=on_requeue,
+        FakeStarter(futures + [loop.create_future() for _ in range(4)]),
+        FakeRun(tmp_path / "logs"),
+        Admission(ledger, Pace(2, 1), prompts, lambda row: [1], 1.0),
+        queues=(prompts, LocalQueue("results", 10)),
         max_restarts=max_restarts,
     )
 
@@ -260,6 +253,6 @@ def test_different_errors_and_silent_kills_are_replaced_up_to_the_limit(tmp_path
     ("something else\nmore", "something else"),
 ])  # fmt: skip
 def test_a_dead_process_is_said_in_words_not_in_rays_paragraph(text, said):
-    from runtime.stepping import ray_death
+    from runtime.supervise import ray_death
 
     assert ray_death(text) == said

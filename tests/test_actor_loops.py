@@ -5,13 +5,11 @@ queues, a failing generation surfaced. The wiring, without the real stack, in se
 from __future__ import annotations
 
 import asyncio
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from actors.async_generation import AsyncGenerationActor
 from actors.generation import GenerationActor
 from actors.spec import ActorTimeouts
 from cluster.weights import LocalWeightChannel
@@ -51,11 +49,13 @@ class FakeLLM:
         self.llm_engine = SimpleNamespace(vllm_config=_config())
         self.loaded: list[float] = []  # the value of the first weight tensor of every load
         self.cache_resets = 0
+        self.calls: list[int] = []  # prompts per generate call
 
     def get_tokenizer(self):
         return FakeTokenizer()
 
     def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(len(prompts))
         return [
             SimpleNamespace(prompt_token_ids=[3, 4], outputs=[_completion([DIGIT], "stop") for _ in range(p.n)])
             for p in params
@@ -72,36 +72,58 @@ def weights(value: float) -> list:
     return [("w", torch.full((2,), value))]
 
 
-def test_sync_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close():
+def test_between_requests_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close():
     engine = FakeLLM()
     actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=3), engine)
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
-    out = {}
-    loop = threading.Thread(target=lambda: out.update(actor.run(prompts, results, channel, TIMEOUTS)))
-    loop.start()
     row = {"prompt": "copy 5:", "answer": "5"}
-    prompts.put_many([PromptRequest(0, row, min_version=0)], timeout=1)
-    (first,) = results.get_batch(1, timeout=30)  # the first generate imports vllm (~5 s on a busy machine)
-    channel.publish(1, weights(1.0))
-    prompts.put_many([PromptRequest(1, row, min_version=1)], timeout=1)
-    (second,) = results.get_batch(1, timeout=30)
-    prompts.close_now()
-    results.close_now()
-    loop.join(5)
-    assert not loop.is_alive()  # closing the queues ended the loop at once
-    final_spans = out.pop("spans")
-    assert out == {"name": "actor-0", "groups": 2, "weight_loads": 1}
+
+    async def go():
+        await actor.ready()
+        run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
+        await prompts.put_many_async([PromptRequest(0, row, min_version=0)], timeout=1)
+        (first,) = await results.get_batch_async(1, timeout=30)  # the first generate imports vllm (~5 s)
+        channel.publish(1, weights(1.0))
+        await prompts.put_many_async([PromptRequest(1, row, min_version=1)], timeout=1)
+        (second,) = await results.get_batch_async(1, timeout=30)
+        prompts.close_now()
+        results.close_now()
+        return first, second, await asyncio.wait_for(run, 5)  # closing the queues ended the loop at once
+
+    first, second, report = asyncio.run(go())
+    assert (report.name, report.groups, report.weight_loads) == ("actor-0", 2, 1)
     # the timeline rides on the groups: what the actor did before each push, with the version it held
-    assert [(s["kind"], s["version"]) for s in first.spans] == [("wait_prompts", None), ("generate", 0)]
-    kinds = [(s["kind"], s["version"]) for s in second.spans]
+    assert [(s.kind, s.version) for s in first.spans] == [("wait_prompts", None), ("generate", 0)]
+    kinds = [(s.kind, s.version) for s in second.spans]
     assert kinds == [("wait_prompts", None), ("wait_weights", 0), ("load_weights", 1), ("generate", 1)]
-    assert all(s["process"] == "actor-0" and s["start"] <= s["end"] for s in first.spans + second.spans)
-    assert [s["kind"] for s in final_spans] == ["wait_prompts"]  # the wait the closed queue ended
+    assert all(s.process == "actor-0" and s.start <= s.end for s in first.spans + second.spans)
+    assert [s.kind for s in report.spans] == ["wait_prompts"]  # the wait the closed queue ended
     assert len(first.trajectories) == 3 and all(t.reward == 1.0 for t in first.trajectories)  # echo "5" -> "5"
     assert [t.policy_versions.tolist() for t in first.trajectories] == [[0]] * 3
     assert [t.policy_versions.tolist() for t in second.trajectories] == [[1]] * 3  # loaded before generating
     assert engine.loaded == [1.0] and engine.cache_resets == 1  # once, with the published tensor
     assert second.weight_wait_s > 0 and first.weight_wait_s >= 0  # the wait rides on the group it delayed
+    assert engine.calls == [1, 1]  # one generate call per queue call
+
+
+def test_between_requests_actor_samples_the_prompts_of_one_queue_call_in_one_generate_call():
+    engine = FakeLLM()
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, prompts_per_request=4), engine)
+    prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
+    rows = [{"prompt": f"copy {i}:", "answer": "5"} for i in range(3)]
+
+    async def go():
+        await actor.ready()
+        await prompts.put_many_async([PromptRequest(i, row, min_version=0) for i, row in enumerate(rows)], 1)
+        run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
+        groups = await results.get_batch_async(3, timeout=30)
+        prompts.close_now()
+        results.close_now()
+        await asyncio.wait_for(run, 5)
+        return groups
+
+    groups = asyncio.run(go())
+    assert sorted(g.prompt_id for g in groups) == [0, 1, 2] and engine.calls == [3]  # one call, three prompts
 
 
 class FakeAsyncLLM:
@@ -174,7 +196,7 @@ def _spans(labels: list[str]) -> list:
 async def _inflight_run(prompts_to_send: list[str], late: bool = False):
     engine = FakeAsyncLLM(late)
     spec = actor_spec("fake", None, "builtin:echo", group_size=2, weight_update="inflight")
-    actor = AsyncGenerationActor(spec, engine)
+    actor = GenerationActor(spec, engine)
     await actor.ready()
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
     run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
@@ -200,18 +222,18 @@ def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token(late):
         return engine, group, stats
 
     engine, group, stats = asyncio.run(go())
-    assert engine.paused == 1 and stats["weight_loads"] == 1 and stats["groups"] == 1
+    assert engine.paused == 1 and stats.weight_loads == 1 and stats.groups == 1
     for traj in group.trajectories:
         assert traj.policy_versions.tolist() == [0, 0, 0, 1, 1, 1]  # tokens after the swap carry version 1
         assert traj.finish_reason == "length"
     # the swap happened inside the group's generate span: the timeline shows the overlap
-    spans = {s["kind"]: s for s in group.spans}
-    assert spans["generate"]["version"] == 0 and spans["load_weights"]["version"] == 1
-    assert spans["generate"]["start"] <= spans["load_weights"]["start"] <= spans["generate"]["end"]
+    spans = {s.kind: s for s in group.spans}
+    assert spans["generate"].version == 0 and spans["load_weights"].version == 1
+    assert spans["generate"].start <= spans["load_weights"].start <= spans["generate"].end
     # the intake that began while the group generated went on after it finished: the actor's idle
     # wait for more prompts is on the timeline (the report subtracts the part beside generation)
-    (last_wait,) = [s for s in stats["spans"] if s["kind"] == "wait_prompts"]
-    assert last_wait["start"] <= spans["generate"]["end"] < last_wait["end"]
+    (last_wait,) = [s for s in stats.spans if s.kind == "wait_prompts"]
+    assert last_wait.start <= spans["generate"].end < last_wait.end
 
 
 class BrokenChannel:
@@ -236,7 +258,7 @@ def test_inflight_actor_stops_on_a_broken_weight_channel_instead_of_spinning():
     from cluster.channel import ChannelFailed
 
     async def go():
-        actor = AsyncGenerationActor(actor_spec("fake", None, "builtin:echo", weight_update="inflight"), FakeAsyncLLM())
+        actor = GenerationActor(actor_spec("fake", None, "builtin:echo", weight_update="inflight"), FakeAsyncLLM())
         await actor.ready()
         prompts, results = LocalQueue("prompt", 8), LocalQueue("results", 8)
         try:

@@ -4,6 +4,7 @@ evaluator's rounds (sent in pieces, completed by their groups, never mixed into 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ import pytest
 from launch.config import EvalConfig, load_config
 from queues.bounded import LocalQueue
 from queues.messages import Trajectory, TrajectoryGroup
+from runtime.collector import BatchCollector
 from runtime.evaluation import Evaluator, eval_metrics, ks_for, pass_at_k
-from runtime.stepping import BatchCollector
+from tests.fakes import RecordingAdmission
 
 
 def test_pass_at_k_by_hand():
@@ -98,11 +100,11 @@ def test_the_collector_routes_eval_groups_out_of_the_batch():
     results, seen = LocalQueue("results", 16), []
     results.put_many([group(-1, [1, 0]), group(0, [1, 0], "train", version=0), group(1, [0, 1], "train", version=0)], 1)
 
-    async def drop(g):
-        raise AssertionError("nothing is stale")
+    evaluator = SimpleNamespace(add=seen.append)
 
     async def scenario():
-        collector = BatchCollector(results, {}, run=None, timeout=5, on_drop=drop, on_eval=seen.append)
+        admission = RecordingAdmission(stale_ok=False)  # nothing is stale
+        collector = BatchCollector(results, {}, None, 5, admission=admission, evaluator=evaluator)
         batch = await collector.collect(2, step=0, max_staleness=0)
         results.put_many([group(-2, [1, 1])], 1)
         await collector.drain_eval(lambda: len(seen) < 2, timeout=5)

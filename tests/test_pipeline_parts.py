@@ -13,8 +13,10 @@ from cluster.weights import FlatWeights, LocalWeightChannel
 from learner.group import merge_rank_metrics
 from learner.step_plan import plan_step
 from queues.bounded import LocalQueue, QueueClosed, QueueTimeout
-from runtime.stepping import BatchCollector, Pace, step_metrics
-from tests.fakes import make_group, make_sequence, make_trajectory
+from runtime.admission import Pace
+from runtime.collector import BatchCollector
+from runtime.step_metrics import step_metrics
+from tests.fakes import RecordingAdmission, make_group, make_sequence, make_trajectory
 from tests.reference_batch import completion_logprobs, pad_sequences
 
 
@@ -134,18 +136,14 @@ def test_collector_drops_too_stale_groups_and_counts_them():
             ],
             timeout=1,
         )
-        dropped = []
-
-        async def on_drop(group):
-            dropped.append(1)
-
-        collector = BatchCollector(q, {}, run=None, timeout=5, on_drop=on_drop)
+        admission = RecordingAdmission()
+        collector = BatchCollector(q, {}, None, 5, admission=admission)
         batch = await collector.collect(2, step=2, max_staleness=1)
-        return batch, dropped
+        return batch, admission.stale
 
     batch, dropped = asyncio.run(go())
     assert [g.prompt_id for g in batch.groups] == [1, 2]  # version 0 at step 2 is staleness 2 > 1
-    assert batch.dropped == 1 and dropped == [1]
+    assert batch.dropped == 1 and dropped == [0]
     assert batch.staleness == {0: 6, 1: 6}  # per token: 2 sequences x 3 tokens each
 
 
@@ -221,16 +219,9 @@ def test_dynamic_sampling_leaves_out_zero_variance_groups_up_to_its_limit():
         q = LocalQueue("results", maxsize=10)
         rewards = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.5, 0.5], [1.0, 0.0], [0.0, 0.0]]
         q.put_many([make_group(i, r) for i, r in enumerate(rewards)], timeout=1)
-        left_out = []
-
-        async def on_filter(group):
-            left_out.append(group.prompt_id)
-
-        async def on_drop(group):
-            raise AssertionError("nothing is stale here")
-
-        collector = BatchCollector(q, {}, None, 5, on_drop=on_drop, max_filtered=max_filtered, on_filter=on_filter)
-        return await collector.collect(2, step=0, max_staleness=0), left_out
+        admission = RecordingAdmission(stale_ok=False)  # nothing is stale here
+        collector = BatchCollector(q, {}, None, 5, admission=admission, max_filtered=max_filtered)
+        return await collector.collect(2, step=0, max_staleness=0), admission.left_out
 
     batch, left_out = asyncio.run(go(max_filtered=2))
     assert [g.prompt_id for g in batch.groups] == [1, 3] and left_out == [0, 2] == batch.filtered_ids
@@ -258,17 +249,13 @@ def test_a_group_with_a_penalised_cut_completion_carries_a_signal():
         q = LocalQueue("results", maxsize=10)
         q.put_many([group, make_group(1, [1.0, 0.0])], timeout=1)
 
-        async def never(group):
-            raise AssertionError("nothing is stale or filtered here")
-
         collector = BatchCollector(
             q,
             {},
             None,
             5,
-            on_drop=never,
+            admission=RecordingAdmission(stale_ok=False, no_signal_ok=False),  # nothing is stale or filtered
             max_filtered=2,
-            on_filter=never,
             outcomes=lambda g: outcome_rewards(g.trajectories, algo.algorithm, 16),
         )
         return await collector.collect(2, step=0, max_staleness=0)
@@ -282,17 +269,17 @@ def test_a_long_wait_for_the_batch_is_said_naming_the_quiet_actors_only(monkeypa
     # first notice named every actor, the busy ones too
     from types import SimpleNamespace
 
-    import runtime.stepping as stepping
-    from runtime.stepping import DataTimeout
+    import runtime.collector as collecting
+    from runtime.collector import DataTimeout
 
-    monkeypatch.setattr(stepping, "WAIT_NOTICE_S", 0.4)
+    monkeypatch.setattr(collecting, "WAIT_NOTICE_S", 0.4)
     said: list[str] = []
     run = SimpleNamespace(say=said.append, log_path=lambda name: f"/run/logs/{name}.log", logs="/run/logs")
 
     async def go():
         q = LocalQueue("results", maxsize=20)
         loops = {asyncio.get_running_loop().create_future(): name for name in ("actor-0", "actor-1")}
-        collector = BatchCollector(q, loops, run, timeout=1.3, on_drop=None)
+        collector = BatchCollector(q, loops, run, timeout=1.3, admission=RecordingAdmission())
 
         async def busy_actor_0():  # a group every 0.15 s from actor-0; actor-1 is frozen
             for i in range(8):
@@ -316,7 +303,7 @@ def test_a_long_wait_for_the_batch_is_said_naming_the_quiet_actors_only(monkeypa
 
 def test_an_abandoned_get_that_fails_as_its_queue_closes_is_not_reported_but_other_errors_are_said():
     # Ctrl-C while a step waited for its batch printed "Task exception was never retrieved ... QueueClosed"
-    from runtime.stepping import settled
+    from runtime.collector import settled
 
     said: list[str] = []
 

@@ -31,9 +31,10 @@ import os, sys, time
 import ray
 from launch.build import start_ray
 from launch.config import load_config
+from launch.plan import build_plan
 
 cfg = load_config(None, ["model.path=x", "data.prompts=x", "reward.function=x", "resources.local_num_cpus=4"])
-start_ray(cfg)
+start_ray(cfg, build_plan(cfg))
 
 @ray.remote(num_cpus=0)
 class Probe:

@@ -36,14 +36,14 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
     ray = ray_session
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.async_generation import AsyncGenerationActor
+    from actors.generation import GenerationActor
     from learner.worker import stop_token_ids
 
     # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way.
     rollout = dict(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight")
     shared = EngineConfig(weight_transfer="shared")
     spec = actor_spec(tiny_model_dir, str(tmp_path / "a.log"), "builtin:successor", engine=shared, **rollout)
-    actor = ray.remote(AsyncGenerationActor).options(**actor_options()).remote(spec)
+    actor = ray.remote(GenerationActor).options(**actor_options()).remote(spec)
     ray.get(actor.ready.remote())
     ray.get(actor.completion_logprobs.remote([5, 6], [7]))  # warm-up: the first logprobs call compiles an op
 

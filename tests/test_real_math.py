@@ -46,7 +46,7 @@ def model(tmp_path_factory) -> Path:
 
 
 SAMPLER_CHECK = """
-import json, sys
+import asyncio, json, sys
 from actors.generation import GenerationActor
 from queues.messages import PromptRequest
 from queues.templates import PromptRenderer
@@ -57,7 +57,10 @@ renderer = PromptRenderer.load(model)
 row = {"prompt": "7+4+3+4+4+3", "answer": "25"}
 ids = renderer.token_ids(row)
 actor = GenerationActor(actor_spec(model, log, "builtin:math", group_size=2, max_tokens=96))
-(group,) = actor.generate([PromptRequest(0, row, min_version=0, prompt_token_ids=ids)])
+async def sample():
+    await actor.ready()
+    return await actor.generate([PromptRequest(0, row, min_version=0, prompt_token_ids=ids)])
+(group,) = asyncio.run(sample())
 actor.builder.close()
 seen = {"rendered": ids, "text": renderer.text(row), "rewards": [t.reward for t in group.trajectories],
         "sampled": [t.prompt_token_ids.tolist() for t in group.trajectories],

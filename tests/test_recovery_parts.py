@@ -15,13 +15,15 @@ from launch.config import ConfigError, load_config, parse_duration
 from queues.bounded import LocalQueue
 from queues.messages import PromptRequest
 from queues.prompts import PromptStream
+from runtime.admission import Admission, Pace
 from runtime.checkpoints import CheckpointError, CheckpointStore, problem
+from runtime.collector import Batch
 from runtime.health import RunCannotLearn, RunHealth
 from runtime.ledger import PromptLedger
-from runtime.stepping import ActorFailed, Batch, sample_records
+from runtime.step_metrics import sample_records
 from runtime.stopping import StopRequest
-from runtime.supervise import ActorPool
-from tests.fakes import make_group
+from runtime.supervise import ActorFailed, ActorPool
+from tests.fakes import FakeStarter, make_group
 
 ROWS = [{"prompt": f"p{i}"} for i in range(5)]
 
@@ -120,26 +122,9 @@ def test_a_dead_actors_prompts_are_generated_again_and_it_is_replaced():
         dead = asyncio.get_running_loop().create_future()
         dead.set_exception(RuntimeError("The actor died unexpectedly"))
         forever = asyncio.get_running_loop().create_future()
-        loops, started, requeued = iter([dead, forever]), [], []
-
-        async def start_actor(index):
-            started.append(index)
-            return f"new-{index}"
-
-        async def on_requeue(n):
-            requeued.append(n)
-
-        pool = ActorPool(
-            ["old-0"],
-            ["actor-0"],
-            start_loop=lambda actor, i: next(loops),
-            start_actor=start_actor,
-            run=FakeRun(),
-            ledger=ledger,
-            queues=(prompts, results),
-            on_requeue=on_requeue,
-            max_restarts=1,
-        )
+        starter, pace = FakeStarter([dead, forever]), Pace(3, 1)
+        admission = Admission(ledger, pace, prompts, lambda row: [1], 1.0)
+        pool = ActorPool(["old-0"], ["actor-0"], starter, FakeRun(), admission, (prompts, results), max_restarts=1)
         pool_kill = []
         import runtime.supervise as supervise
 
@@ -147,8 +132,8 @@ def test_a_dead_actors_prompts_are_generated_again_and_it_is_replaced():
         (loop,) = list(pool.loops)
         await asyncio.sleep(0)
         await pool.ended(loop)
-        assert list(ledger.regenerate) == [2] and requeued == [1]  # only the prompt it still held
-        assert started == [0] and pool.actors == ["new-0"] and pool_kill == ["old-0"]
+        assert list(ledger.regenerate) == [2] and pace.dropped == 1  # only the prompt it still held
+        assert starter.started == [0] and pool.actors == ["new-0"] and pool_kill == ["old-0"]
         assert pool.total_restarts == 1 and "restart 1 of 1" in pool.run.said[0]
         assert "/logs/actor-0.log" in pool.run.said[0]
         dead2 = asyncio.get_running_loop().create_future()

@@ -15,8 +15,7 @@ from launch.run import UnexpectedError, run_training, signal_summary
 from observe.live import DriverView, PlainLines, StepStatus
 from runtime.health import SignalWatch, no_signal_cause
 from runtime.saving import Progress
-from runtime.stepping import ActorFailed
-from runtime.supervise import ActorKeepsFailing
+from runtime.supervise import ActorFailed, ActorKeepsFailing
 
 
 def step(zero_variance_frac: float, reward_mean: float = 0.0, reward_std: float = 0.0) -> dict:
@@ -116,7 +115,7 @@ def test_the_driver_view_logs_every_line_and_says_the_watchers_warnings(tmp_path
 def fake_training(behaviour):
     """``launch.train.train`` stood in for: ``behaviour(run)`` trains (says, records steps) or raises."""
 
-    async def train(cfg, run, rows, model_path, stop, resume=None, eval_rows=None):
+    async def train(cfg, plan, run, rows, model_path, stop, resume=None, eval_rows=None):
         behaviour(run)
         return Progress(done=cfg.run.steps)
 

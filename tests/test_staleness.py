@@ -23,8 +23,9 @@ import pytest
 
 from queues.bounded import LocalQueue
 from queues.messages import PromptRequest, TrajectoryGroup
-from runtime.stepping import BatchCollector, Pace
-from tests.fakes import make_trajectory
+from runtime.admission import Pace
+from runtime.collector import BatchCollector
+from tests.fakes import RecordingAdmission, make_trajectory
 
 
 class GenerousPace(Pace):
@@ -66,7 +67,7 @@ async def simulate(k: int, seed: int, pace: Pace, steps: int = 12, actors: int =
             pid += 1
 
     tasks = [asyncio.create_task(actor(i)) for i in range(actors)] + [asyncio.create_task(rollout())]
-    collector = BatchCollector(results, {}, run=None, timeout=10, on_drop=lambda group: pace.drop())
+    collector = BatchCollector(results, {}, None, 10, admission=RecordingAdmission(pace))
     trained, dropped = [], 0
     for step in range(steps):
         batch = await collector.collect(P, step=step, max_staleness=k)

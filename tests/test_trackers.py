@@ -14,10 +14,12 @@ import sys
 import numpy as np
 import pytest
 
+from cluster.timeline import Span
 from launch.config import ConfigError, load_config
 from observe.run_dir import RunLog
 from observe.trackers import WANDB_MISSING, histogram, markdown_table
-from runtime.stepping import Batch, sample_records, staleness_sample, step_distributions, step_metrics
+from runtime.collector import Batch
+from runtime.step_metrics import sample_records, staleness_sample, step_distributions, step_metrics
 from tests.fakes import make_group
 
 REQUIRED = ["model.path=m", "data.prompts=p.jsonl", "reward.function=r.py:f"]
@@ -252,10 +254,9 @@ def test_a_resumed_run_keeps_the_timeline_up_to_its_checkpoint(tmp_path):
     torn last line (a killed run) would end up mid-file: both go when the run is reopened."""
     config = {"run": {"trackers": ["jsonl"]}}
     run = RunLog(tmp_path, 4, stream=io.StringIO(), config=config)
-    span = lambda kind, start, end, version=None: {  # noqa: E731
-        "process": "learner-0" if kind == "publish" else "actor-0", "kind": kind, "start": start, "end": end,
-        "version": version,
-    }  # fmt: skip
+    span = lambda kind, start, end, version=None: Span(  # noqa: E731
+        "learner-0" if kind == "publish" else "actor-0", kind, start, end, version
+    )
     run.timeline([span("generate", 0, 1, 0), span("publish", 1, 2, 1), span("generate", 1.5, 3, 1)])
     run.timeline([span("publish", 3, 4, 2), span("generate", 4, 5, 2)])
     run.close(None)

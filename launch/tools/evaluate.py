@@ -10,36 +10,38 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from actors.spec import ActorTimeouts
 from cluster.placement import on_this_node, reserve
 from cluster.weights import RayWeightChannel
+from launch.assemble import ActorStarter
 from launch.build import build_generation_actors, start_ray
 from launch.config import TandemConfig
-from launch.plan import build_plan
+from launch.plan import Plan, build_plan
 from observe.run_dir import RunLog
 from queues.bounded import build_queue
 from queues.templates import PromptRenderer
+from runtime.collector import BatchCollector
 from runtime.evaluation import Evaluator, eval_line
-from runtime.stepping import ActorWatch, BatchCollector
+from runtime.supervise import ActorWatch
 
 CLOSE_TIMEOUT_S = 15.0
 
 
-async def evaluate_model(cfg: TandemConfig, model_path: str, rows: list[dict], run: RunLog) -> dict[str, Any]:
-    """One evaluation round of ``rows`` with the weights in ``model_path``; returns its metrics."""
-    plan = build_plan(cfg)
-    start_ray(cfg)
+async def evaluate_model(
+    cfg: TandemConfig, plan: Plan, model_path: str, rows: list[dict], run: RunLog
+) -> dict[str, Any]:
+    """One evaluation round of ``rows`` with the weights in ``model_path``; returns its metrics. The actors
+    are built and their loops started as a training run's are (``launch/assemble.py``); no learner starts."""
+    start_ray(cfg, plan)
     scheduling = reserve([plan.actors], cfg.resources.strategy, cfg.resources.placement_timeout_s)
     run.say(f"evaluating {model_path} on {len(rows)} prompts x {cfg.eval.samples} with {plan.actors.count} actor(s)")
-    actors = await build_generation_actors(cfg, model_path, run, scheduling)
-    names = plan.actors.names()
+    actors = await build_generation_actors(cfg, plan, model_path, run, scheduling)
+    starter = ActorStarter(cfg, plan, model_path, run, scheduling)
     channel = RayWeightChannel()  # never published to: the actors keep the weights they loaded (version 0)
-    receivers = channel.receivers(names)
     P = cfg.rollout.prompts_per_step
     prompt_queue = build_queue("ray", "prompt", maxsize=P, actor_options=on_this_node())
     results_queue = build_queue("ray", "results", maxsize=2 * P, actor_options=on_this_node())
-    timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
-    loops = {a.run.remote(prompt_queue, results_queue, r, timeouts): n for a, r, n in zip(actors, receivers, names)}
+    starter.connect((prompt_queue, results_queue), channel.receivers(starter.names))
+    loops = {starter.run_loop(actor, i): name for i, (actor, name) in enumerate(zip(actors, starter.names))}
     renderer = PromptRenderer.load(model_path, cfg.data.chat_template, cfg.data.system_prompt)
     evaluator = Evaluator(
         rows,
@@ -49,14 +51,7 @@ async def evaluate_model(cfg: TandemConfig, model_path: str, rows: list[dict], r
         record=lambda step, metrics: run.eval(step, metrics, eval_line(None, metrics)),
         chunk=P,
     )
-
-    async def on_drop(group) -> None:  # nothing is trained, so nothing is stale
-        return None
-
-    watch = ActorWatch(loops, run)
-    collector = BatchCollector(
-        results_queue, watch, run, cfg.run.data_timeout_s, on_drop=on_drop, on_eval=evaluator.add
-    )
+    collector = BatchCollector(results_queue, ActorWatch(loops, run), run, cfg.run.data_timeout_s, evaluator=evaluator)
     try:
         evaluator.start(0, version=0)
         await collector.drain_eval(lambda: evaluator.pending, cfg.run.data_timeout_s)
@@ -103,7 +98,7 @@ def run_evaluation(config_path: str | None, model: str, overrides: list[str]) ->
     rows = check_prompt_lengths(cfg, model_path, rows, "the held-out set")
     run = RunLog.create(cfg.run.output_dir, f"eval-{cfg.run.name}", cfg.model_dump(mode="json"), 0, cfg.run.private)
     try:
-        metrics = asyncio.run(evaluate_model(cfg, model_path, rows, run))
+        metrics = asyncio.run(evaluate_model(cfg, build_plan(cfg), model_path, rows, run))
     finally:
         if ray.is_initialized():
             ray.shutdown()

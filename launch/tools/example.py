@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-MATH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "examples" / "math.yaml"
+MATH_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "examples" / "math.yaml"
 SFT_ROWS_SEED = 1000  # warm-start rows come from a seed of their own: not the RL or the eval rows
 SFT_MARKER = "warm-start.json"
 

@@ -1,0 +1,134 @@
+"""Weight updates between requests: vLLM's ``LLM`` in the actor's process, a batch per call.
+
+The prompts an actor takes from the queue in one call (up to ``rollout.prompts_per_request``) are
+sampled in one ``generate`` call; before it, the weights those prompts need are fetched from the
+weight channel and loaded (``load_named_weights``: in this process the tensors pass as they are), and
+the prefix cache is reset (cached KV of the old weights would be wrong). Every token of a call is
+sampled with one version. All engine calls run on one thread of their own: vLLM binds its CPU threads
+in the thread that builds it, and the actor's event loop stays free to answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from actors.policy_clock import PolicyClock
+from actors.rollout import Completion
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params
+from cluster.channel import WeightReceiver
+from cluster.timeline import Spans
+from queues.bounded import QueueClosed
+from queues.messages import PromptRequest
+
+
+def _build_llm(spec: ActorSpec):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors load without a hop
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(spec))
+
+
+def _completion(completion, version: int) -> Completion:
+    ids = list(completion.token_ids)
+    logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs)]
+    finish = "length" if completion.finish_reason == "length" else "stop"
+    return Completion(ids, logprobs, [version] * len(ids), finish)
+
+
+class BetweenRequests:
+    """The engine of a generation actor whose weights change only between generate calls
+    (``engine``: an already built ``vllm.LLM``-like object, for tests)."""
+
+    def __init__(self, spec: ActorSpec, clock: PolicyClock, spans: Spans, engine: Any = None):
+        self.spec, self.clock, self.spans, self.llm = spec, clock, spans, engine
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-engine")
+        self.pending: list[tuple[PromptRequest, asyncio.Future]] = []
+        self.seed = spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
+
+    async def on_engine(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the engine's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.thread, functools.partial(fn, *args, **kwargs))
+
+    async def start(self) -> None:
+        if self.llm is None:
+            self.llm = await self.on_engine(_build_llm, self.spec)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+    # --- sampling -----------------------------------------------------------------------
+    async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:
+        """Completions of ``request``, sampled in one generate call with every request made in the same
+        turn of the event loop (the rollouts of a batch start together)."""
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((request, future))
+        if len(self.pending) == 1:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._generate_pending()))
+        return await future
+
+    async def _generate_pending(self) -> None:
+        batch, self.pending = self.pending, []
+        requests = [request for request, _ in batch]
+        params = [request_params(self.spec, r, seed=self.seed + r.seed_offset) for r in requests]
+        try:
+            outputs = await self.on_engine(
+                self.llm.generate, [engine_prompt(r) for r in requests], params, use_tqdm=False
+            )
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        version = self.clock.version  # weights change only between calls
+        for (_, future), out in zip(batch, outputs, strict=True):
+            if not future.done():
+                future.set_result((list(out.prompt_token_ids), [_completion(c, version) for c in out.outputs]))
+
+    async def generate_one(self, prompt, params):
+        """One finished output for ``prompt`` (checks and tests)."""
+        return (await self.on_engine(self.llm.generate, [prompt], params, use_tqdm=False))[0]
+
+    # --- weights ------------------------------------------------------------------------
+    def _load(self, named_tensors: list) -> None:
+        self.llm.collective_rpc("load_named_weights", args=(named_tensors,))
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+
+    async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:
+        """Load ``(name, tensor)`` pairs as policy ``version`` (no request runs meanwhile, whatever ``mode``)."""
+        await self.on_engine(self._load, named_tensors)
+        self.clock.loaded(version)
+        return version
+
+    async def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float) -> None:
+        """Load the newest published weights; wait (up to ``timeout``) until version >= ``min_version``."""
+        start = time.monotonic()
+        if self.clock.wants(await asyncio.to_thread(channel.latest_version), min_version):
+            with self.spans.span("wait_weights", self.clock.version):
+                version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)
+            if version > self.clock.version:
+                with self.spans.span("load_weights", version):
+                    await self.load_weights(named, version)
+        self.clock.waited(time.monotonic() - start)
+
+    # --- the actor's loop ---------------------------------------------------------------
+    async def serve(self, actor, prompt_queue, results_queue, channel: WeightReceiver, timeouts: ActorTimeouts) -> int:
+        """Take prompts, sync weights, generate, push, until the queues close; returns the groups pushed."""
+        per_call, pushed = self.spec.rollout.prompts_per_request, 0
+        try:
+            while True:
+                with self.spans.span("wait_prompts"):  # woken by a put or the queue's close
+                    requests = await prompt_queue.get_batch_async(per_call, timeouts.idle_s, self.spec.name)
+                if not requests:
+                    continue
+                await self.sync_weights(channel, max(r.min_version for r in requests), timeouts.weights_s)
+                with self.spans.span("generate", self.clock.version):
+                    groups = await actor.generate(requests)
+                groups[0].spans = self.spans.take()  # the timeline rides to the driver on the results
+                await results_queue.put_many_async(groups, timeout=timeouts.data_s)
+                pushed += len(groups)
+        except QueueClosed:
+            return pushed  # the run is over

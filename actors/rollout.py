@@ -1,0 +1,67 @@
+"""The rollout: from one prompt request to the samples the learner trains on.
+
+A rollout is a function ``(request, engine) -> list[Sample]``. It asks the engine for completions
+(``Engine.complete``) and returns one ``Sample`` per completion: the token ids, the loss mask (which
+tokens are trained: the policy's own), the sampler's log-probs and the policy version of every
+token. The generation actor (``actors/generation.py``) runs rollouts; the reward, the group and
+the results queue come after.
+
+Single-turn is the one rollout now: the prompt, then G completions sampled whole, every token
+trained. A multi-turn episode is another rollout: it calls the engine once a turn and masks out
+what a tool returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from actors.spec import decode_completions
+from queues.messages import PromptRequest
+
+
+@dataclass
+class Completion:
+    """One completion as the engine sampled it."""
+
+    token_ids: list[int]  # generated tokens
+    logprobs: list[float]  # sampler log-prob of each, after temperature (what the policy sampled from)
+    versions: list[int]  # policy version of the weights that sampled each
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class Sample:
+    """One completion as the learner will train on it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # everything after the prompt
+    mask: list[int]  # 1: trained (the policy's tokens), 0: not (e.g. a tool's output in an episode)
+    logprobs: list[float]  # sampler log-prob of each token
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str  # "stop" | "length"
+    text: str  # decoded completion, special tokens skipped
+
+
+class Engine(Protocol):
+    """The engine as a rollout sees it (``actors/between_requests.py``, ``actors/inflight.py``)."""
+
+    tokenizer: object
+
+    async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:
+        """The prompt's token ids and its completions (``request.samples`` or the group size of them)."""
+
+
+async def single_turn(request: PromptRequest, engine: Engine) -> list[Sample]:
+    """The prompt and G completions sampled whole; every sampled token is trained."""
+    prompt_ids, completions = await engine.complete(request)
+    texts = decode_completions(engine.tokenizer, [c.token_ids for c in completions])
+    return [
+        Sample(prompt_ids, c.token_ids, [1] * len(c.token_ids), c.logprobs, c.versions, c.finish_reason, text)
+        for c, text in zip(completions, texts, strict=True)
+    ]
+
+
+Rollout = Callable[[PromptRequest, Engine], Awaitable[list[Sample]]]
+ROLLOUTS: dict[str, Rollout] = {"single_turn": single_turn}  # by name; multi-turn episodes join here

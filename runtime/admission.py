@@ -1,0 +1,116 @@
+"""Admission: which prompts go out to the actors, and when (the rollout loop).
+
+A prompt leaves the prompt ledger (``runtime/ledger.py``) for the prompt queue only while it can
+still be trained on within ``max_staleness`` policy versions (``Pace``). A group that comes back
+unusable (too stale, left out by dynamic sampling, held by an actor that died) frees its place here,
+and a stale or lost prompt is generated again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from queues.messages import PromptRequest, TrajectoryGroup
+from runtime.ledger import PromptLedger
+
+
+class Pace:
+    """Admission control: the ``i``-th prompt handed out (counting from this process's first step,
+    policy version ``v0``) may be generated once the learner's version ``v`` satisfies
+    ``i < (v - v0 + k + 1) * P + dropped``, i.e. it is trained at a step <= v + k (in arrival
+    order) and so has staleness <= k. A prompt that is dropped as too stale, or lost with its
+    actor, frees its place (``drop``) for the prompt that is generated again."""
+
+    def __init__(self, prompts_per_step: int, max_staleness: int, start_version: int = 0):
+        self.P, self.k = prompts_per_step, max_staleness
+        self.start = self.version = start_version
+        self.dropped = 0
+        self._changed = asyncio.Condition()
+
+    def allowance(self) -> int:
+        return (self.version - self.start + self.k + 1) * self.P + self.dropped
+
+    async def admit(self, slot: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: slot < self.allowance())
+
+    async def advance(self, version: int) -> None:
+        """Version ``version`` is published: the allowance grows by ``P``."""
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    async def drop(self, count: int = 1) -> None:
+        """Groups were dropped as too stale or lost: as many more prompts may be admitted."""
+        async with self._changed:
+            self.dropped += count
+            self._changed.notify_all()
+
+
+class Admission:
+    """The rollout side of the loop. ``feed`` is the rollout loop: it puts every prompt the pace admits
+    into ``prompt_queue`` (token ids rendered by ``render``); the other methods are what the batch
+    collector, the actor pool and the training loop tell it about prompts that came back."""
+
+    def __init__(
+        self,
+        ledger: PromptLedger,
+        pace: Pace,
+        prompt_queue,
+        render: Callable[[dict], list[int]],
+        put_timeout_s: float,
+    ):
+        self.ledger, self.pace, self.prompt_queue = ledger, pace, prompt_queue
+        self.render, self.put_timeout_s = render, put_timeout_s
+
+    async def feed(self) -> None:
+        """The rollout loop: admit prompts as the pace allows, forever (the run cancels it)."""
+        slot = 0
+        while True:
+            await self.pace.admit(slot)  # waits until this prompt can be trained on within k versions
+            # every prompt admissible now goes in one put (up to a step's): one queue call, not one
+            # per prompt, and an actor waiting for prompts wakes to a full request, not to the first one
+            count = min(self.pace.P, self.pace.allowance() - slot)
+            requests = []
+            for _ in range(count):
+                prompt_id, row = self.ledger.take()
+                requests.append(
+                    PromptRequest(
+                        prompt_id=prompt_id, row=row, min_version=self.pace.version, prompt_token_ids=self.render(row)
+                    )
+                )
+            slot += count
+            await self.prompt_queue.put_many_async(requests, timeout=self.put_timeout_s)
+
+    def outstanding(self, prompt_id: int) -> bool:
+        """Admitted and not yet trained: a group of it is new (not a duplicate of one trained)."""
+        return self.ledger.is_outstanding(prompt_id)
+
+    def is_new(self, group: TrajectoryGroup) -> bool:
+        return self.ledger.is_outstanding(group.prompt_id)
+
+    async def too_stale(self, group: TrajectoryGroup) -> None:
+        """A group too old to train: its prompt is generated again, in a place of its own."""
+        if self.ledger.is_outstanding(group.prompt_id):
+            self.ledger.again([group.prompt_id])
+            await self.pace.drop()
+
+    async def no_signal(self, group: TrajectoryGroup) -> None:
+        """A group left out by dynamic sampling: its prompt is done (not generated again), and one
+        more prompt may be admitted in its place."""
+        self.ledger.trained(group.prompt_id)
+        await self.pace.drop()
+
+    async def again(self, prompt_ids: list[int]) -> None:
+        """Prompts lost with an actor: generated again, each in a place of its own."""
+        self.ledger.again(prompt_ids)
+        await self.pace.drop(len(prompt_ids))
+
+    def trained(self, groups: list[TrajectoryGroup]) -> None:
+        for group in groups:
+            self.ledger.trained(group.prompt_id)
+
+    async def published(self, version: int) -> None:
+        """Policy ``version`` is on the weight channel: a step's more prompts may go out."""
+        await self.pace.advance(version)
