@@ -2,7 +2,7 @@
 
 A reward function is called as ``fn(prompt, completion, row)`` and returns a float, or,
 for process supervision, a list of floats: one per reasoning step of the completion
-(steps are separated by ``algorithm.step_delimiter``). One that raises, or returns
+(steps are separated by ``algorithm.estimator.step_delimiter``). One that raises, or returns
 something else, gives that sample a reward of 0.0; the error is counted and reported,
 and the run goes on. ``check_reward_function`` loads a user's file in a child process before
 the run starts, so one that exits or hangs while it is imported fails in one line.

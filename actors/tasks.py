@@ -164,7 +164,7 @@ def echo_reward(prompt: str, completion: str, row: dict | None = None) -> float:
 
 def successor_step_rewards(prompt: str, completion: str, row: dict | None = None) -> list[float]:
     """One reward per character of the completion, for GRPO process supervision
-    (``algorithm.step_delimiter: ''`` makes every character a step).
+    (``algorithm.estimator.step_delimiter: ''`` makes every character a step).
 
     The first character earns 1.0 when it is the answer, else 0.0; every further
     character costs -0.25 (the answer is one character, so the model should stop).
@@ -236,7 +236,7 @@ BUILTIN_TASKS: dict[str, Task] = {
         reward=successor_step_rewards,
         doc=(
             "The successor task scored per character (process supervision): 1.0 for a right first "
-            "character, -0.25 for each further one. Use with algorithm.step_delimiter=''."
+            "character, -0.25 for each further one. Use with algorithm.estimator.step_delimiter=''."
         ),
         recommended=dict(RECOMMENDED),
     ),

@@ -154,7 +154,7 @@ async def assemble(
         record=lambda step, metrics: run.eval(step, metrics, eval_line(step, metrics)),
         chunk=P,
     )
-    filtering = cfg.algorithm.filter_groups == "zero_variance"
+    filtering = cfg.algorithm.filtering.groups == "zero_variance"
     collector = BatchCollector(
         results_queue,
         pool,
@@ -162,7 +162,7 @@ async def assemble(
         cfg.run.data_timeout_s,
         admission=admission,
         evaluator=evaluator,
-        max_filtered=int((cfg.algorithm.max_oversample - 1) * P) if filtering else None,
+        max_filtered=int((cfg.algorithm.filtering.max_oversample - 1) * P) if filtering else None,
         outcomes=lambda group: outcome_rewards(group.trajectories, cfg.algorithm, cfg.rollout.max_tokens),
     )
     progress = Progress(done=first, checkpoint=resume.path if resume else None)

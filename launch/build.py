@@ -205,7 +205,7 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         seed=cfg.run.seed + index,
         tensor_parallel=cfg.resources.actors.tensor_parallel,  # the engine shards over the actor's GPUs/cores
         log_path=run.log_path(name),
-        step_delimiter=cfg.algorithm.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
+        step_delimiter=cfg.algorithm.estimator.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
         reward_model_actors=tuple(reward_model_names(plan, run)),
         timeline=cfg.run.timeline,
     )

@@ -149,11 +149,11 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
         batch = self.rollout.prompts_per_step * self.rollout.group_size
-        minibatches = self.algorithm.minibatches
+        minibatches = self.algorithm.loss.minibatches
         if batch < minibatches:
             raise ValueError(
                 f"rollout.prompts_per_step x rollout.group_size = {batch} sequences cannot fill "
-                f"algorithm.minibatches = {minibatches} optimizer steps; lower algorithm.minibatches"
+                f"algorithm.loss.minibatches = {minibatches} optimizer steps; lower algorithm.loss.minibatches"
             )
         if self.rollout.max_tokens >= self.engine.max_model_len:
             raise ValueError(
@@ -167,9 +167,9 @@ class TandemConfig(Section):
                 f"algorithm.name = {algo.name} scores every reasoning step with one reward function; set "
                 "reward.function, not a weighted sum in reward.functions"
             )
-        if algo.soft_overlong and algo.soft_overlong.cache_len >= self.rollout.max_tokens:
+        if algo.shaping.soft_overlong and algo.shaping.soft_overlong.cache_len >= self.rollout.max_tokens:
             raise ValueError(
-                f"algorithm.soft_overlong.cache_len = {algo.soft_overlong.cache_len} must be below "
+                f"algorithm.shaping.soft_overlong.cache_len = {algo.shaping.soft_overlong.cache_len} must be below "
                 f"rollout.max_tokens = {self.rollout.max_tokens}"
             )
         return self

@@ -171,6 +171,7 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     from launch.plan import build_plan
     from launch.preflight import check_answers, check_prompt_lengths, preflight
     from launch.train import time_limit_s
+    from learner.config import regroup
     from observe.run_dir import RunLog, format_seconds, startup_phases
     from runtime.checkpoints import CheckpointError, CheckpointStore
     from runtime.run_lock import RunLock
@@ -205,7 +206,10 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     dumped = cfg.model_dump(mode="json")
     resume = None
     if resume_dir is not None:
-        check_config_changes(yaml.safe_load((root / "config.yaml").read_text()) or {}, dumped, allow_changes, tell)
+        then = yaml.safe_load((root / "config.yaml").read_text()) or {}
+        if isinstance(then.get("algorithm"), dict):  # a run from before the algorithm keys were grouped
+            then["algorithm"], _ = regroup(then["algorithm"])
+        check_config_changes(then, dumped, allow_changes, tell)
         store = CheckpointStore(root, cfg.run.keep_checkpoints)
         for name in store.clear_partials():
             tell(f"removed {name}: a checkpoint left half-written when the run was stopped")

@@ -169,7 +169,7 @@ async def collect(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: StopReq
         return None
     batch = collecting.result()
     if batch.oversample_reached:
-        parts.health.oversample_reached(step, cfg.algorithm.max_oversample, cfg.rollout.prompts_per_step)
+        parts.health.oversample_reached(step, cfg.algorithm.filtering.max_oversample, cfg.rollout.prompts_per_step)
     return batch
 
 

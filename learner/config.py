@@ -8,9 +8,9 @@ estimators by ``KL_ESTIMATORS``, importance-sampling levels and modes by
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from learner.algorithms import AGGREGATIONS, KL_ESTIMATORS
 from learner.algorithms.importance import LEVELS as TIS_LEVELS
@@ -120,11 +120,22 @@ class TISConfig(Section):
     cap: float = Field(2.0, gt=1, description="C: the truncation cap (and the mask's band [1/C, C]).")
 
 
-class AlgorithmConfig(Section):
-    name: Literal[METHOD_NAMES] = Field(  # type: ignore[valid-type]
-        "grpo", description="Method: " + ", ".join(METHOD_NAMES) + "."
+class EstimatorConfig(Section):
+    """How returns and advantages are computed from the rewards."""
+
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
+    whiten_advantages: bool = Field(False, description="Whiten advantages over the batch (masked).")
+    step_delimiter: str = Field(
+        "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
     )
-    loss_aggregation: Literal[AGGREGATIONS] | None = Field(  # type: ignore[valid-type]
+
+
+class LossConfig(Section):
+    """The policy loss and how often it is stepped on each batch."""
+
+    aggregation: Literal[AGGREGATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="token_mean, seq_mean or fixed_length (empty: the method's own; Dr. GRPO: fixed_length)."
     )
     clip_eps_low: float | None = Field(None, ge=0, description="Ratio clip below, 1 - eps_low (empty: method default).")
@@ -134,10 +145,11 @@ class AlgorithmConfig(Section):
     dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c for negative advantages (off if empty).")
     epochs: int = Field(1, gt=0, description="Passes over each batch.")
     minibatches: int = Field(1, gt=0, description="Optimizer steps per pass (the batch is split in this many).")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
-    advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
-    whiten_advantages: bool = Field(False, description="Whiten advantages over the batch (masked).")
+
+
+class ShapingConfig(Section):
+    """What is done to each sequence's reward before the advantages: penalties, normalisation, masking."""
+
     normalise_rewards: bool = Field(False, description="Scale rewards to zero mean, unit variance with running stats.")
     whiten_rewards: Literal["none", "whiten", "whiten_keep_mean"] = Field(
         "none", description="Whiten rewards over the batch; whiten_keep_mean adds the mean back."
@@ -148,7 +160,17 @@ class AlgorithmConfig(Section):
     soft_overlong: SoftOverlongConfig | None = Field(
         None, description="Ramp a penalty over the last cache_len tokens of the budget (off if empty)."
     )
-    filter_groups: Literal["none", "zero_variance"] = Field(
+    mask_truncated: bool = Field(
+        False,
+        description="Overlong filtering: completions cut at rollout.max_tokens train no token (their rewards still "
+        "count in their group's baseline).",
+    )
+
+
+class FilteringConfig(Section):
+    """Which collected groups a step trains on."""
+
+    groups: Literal["none", "zero_variance"] = Field(
         "none",
         description="Dynamic sampling (DAPO): zero_variance drops groups whose rewards are all equal (no signal) "
         "and keeps collecting until the batch is full.",
@@ -156,20 +178,68 @@ class AlgorithmConfig(Section):
     max_oversample: float = Field(
         3.0,
         ge=1,
-        description="With filter_groups: a step takes at most this x prompts_per_step groups; past it, "
+        description="With filtering.groups: a step takes at most this x prompts_per_step groups; past it, "
         "zero-variance groups fill the batch (and the run says so).",
     )
-    mask_truncated: bool = Field(
-        False,
-        description="Overlong filtering: completions cut at rollout.max_tokens train no token (their rewards still "
-        "count in their group's baseline).",
+
+
+# Where each key of the flat algorithm section of configs written before the groups went: still read.
+REGROUPED = {
+    **{k: ("estimator", k) for k in ("gamma", "lam", "advantage_eps", "whiten_advantages", "step_delimiter")},
+    "loss_aggregation": ("loss", "aggregation"),
+    **{k: ("loss", k) for k in ("clip_eps_low", "clip_eps_high", "dual_clip", "epochs", "minibatches")},
+    **{
+        k: ("shaping", k)
+        for k in ("normalise_rewards", "whiten_rewards", "truncation_penalty", "soft_overlong", "mask_truncated")
+    },  # fmt: skip
+    "filter_groups": ("filtering", "groups"),
+    "max_oversample": ("filtering", "max_oversample"),
+}
+
+
+def regroup(section: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """An ``algorithm`` section written flat (before its keys were grouped) in the grouped form, and the
+    keys moved (``[]`` for a section already grouped)."""
+    out, moved = {k: v for k, v in section.items() if k not in REGROUPED}, []
+    for key, value in section.items():
+        if key in REGROUPED:
+            group, name = REGROUPED[key]
+            target = out.setdefault(group, {})
+            if isinstance(target, dict) and name not in target:
+                target[name] = value
+                moved.append(key)
+            else:  # given both ways: left for the validator to name
+                out[key] = value
+    return out, moved
+
+
+class AlgorithmConfig(Section):
+    """The RL method and its settings, in groups: the estimator, the loss, reward shaping, group
+    filtering, importance sampling (tis), the KL and the critic."""
+
+    name: Literal[METHOD_NAMES] = Field(  # type: ignore[valid-type]
+        "grpo", description="Method: " + ", ".join(METHOD_NAMES) + "."
     )
-    step_delimiter: str = Field(
-        "\n", description="Process supervision: separator of reasoning steps in the completion ('' = every character)."
-    )
+    estimator: EstimatorConfig = Field(default_factory=EstimatorConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    filtering: FilteringConfig = Field(default_factory=FilteringConfig)
     tis: TISConfig = Field(default_factory=TISConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+
+    _regrouped: list[str] = PrivateAttr(default_factory=list)  # flat keys of an older config, moved
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _read_flat_keys(cls, data: Any, handler) -> AlgorithmConfig:
+        """A config written before the groups (``algorithm.minibatches``) still loads, saying where its keys went."""
+        moved: list[str] = []
+        if isinstance(data, dict):
+            data, moved = regroup(data)
+        section = handler(data)
+        section._regrouped = moved
+        return section
 
     @model_validator(mode="after")
     def _kl_fits_the_method(self) -> AlgorithmConfig:
@@ -185,11 +255,12 @@ class AlgorithmConfig(Section):
         # Per-step methods take their advantages from the step rewards alone; a shaped sequence reward would
         # be computed and then never reach a gradient, so the setting would silently do nothing.
         if self.method.per_step_rewards:
+            s = self.shaping
             shaping = {
-                "algorithm.truncation_penalty": self.truncation_penalty is not None,
-                "algorithm.soft_overlong": self.soft_overlong is not None,
-                "algorithm.normalise_rewards": self.normalise_rewards,
-                "algorithm.whiten_rewards": self.whiten_rewards != "none",
+                "algorithm.shaping.truncation_penalty": s.truncation_penalty is not None,
+                "algorithm.shaping.soft_overlong": s.soft_overlong is not None,
+                "algorithm.shaping.normalise_rewards": s.normalise_rewards,
+                "algorithm.shaping.whiten_rewards": s.whiten_rewards != "none",
             }
             used = [key for key, on in shaping.items() if on]
             if used:
@@ -203,7 +274,10 @@ class AlgorithmConfig(Section):
     @property
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the user wants, one line each."""
-        out = []
+        out = [
+            f"algorithm.{key} is now algorithm.{'.'.join(REGROUPED[key])}; this config still loads, but write it so"
+            for key in self._regrouped
+        ]
         if self.kl.in_loss and self.kl.estimator == "k1":
             out.append(
                 "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term does not involve the "
@@ -221,12 +295,12 @@ class AlgorithmConfig(Section):
     @property
     def updates_per_batch(self) -> int:
         """Optimizer steps on each batch: epochs x minibatches."""
-        return self.epochs * self.minibatches
+        return self.loss.epochs * self.loss.minibatches
 
     @property
     def aggregation(self) -> str:
         """The loss aggregation in force: the configured one, else the method's own."""
-        return self.loss_aggregation or self.method.aggregation
+        return self.loss.aggregation or self.method.aggregation
 
     @property
     def clip(self) -> tuple[float, float] | None:
@@ -234,8 +308,8 @@ class AlgorithmConfig(Section):
         default = self.method.clip
         if default is None:
             return None
-        low = self.clip_eps_low if self.clip_eps_low is not None else default[0]
-        high = self.clip_eps_high if self.clip_eps_high is not None else default[1]
+        low = self.loss.clip_eps_low if self.loss.clip_eps_low is not None else default[0]
+        high = self.loss.clip_eps_high if self.loss.clip_eps_high is not None else default[1]
         return low, high
 
 

@@ -49,7 +49,7 @@ class TokenRewards:
     @property
     def sequence(self) -> Tensor:
         """The tokens a sequence's statistics are taken over: the whole completion. A completion that
-        trains no token (``algorithm.mask_truncated``) still counts in its group's and the batch's
+        trains no token (``algorithm.shaping.mask_truncated``) still counts in its group's and the batch's
         baselines with its reward."""
         return self.mask if self.completion is None else self.completion
 

@@ -129,14 +129,16 @@ class LearnerGroup:
         """Step 1: each sequence's shaped reward, and every rank's shard (sent once, kept by the rank)."""
         algo = self.algorithm
         trajs = [t for g in groups for t in g.trajectories]  # group order
-        if algo.mask_truncated:  # overlong filtering: cut completions count in their group, train no token
+        if algo.shaping.mask_truncated:  # overlong filtering: cut completions count in their group, train no token
             trajs = [without_tokens(t) if t.finish_reason == "length" else t for t in trajs]
         rewards, truncated, lengths = sequence_rewards(trajs)
         shaped = shape_sequence_rewards(rewards, truncated, lengths, algo, self.max_tokens, self.reward_stats)
         trained = trained_tokens(trajs)
         steps = algo.method.per_step_rewards
         ranks = len(self.workers)
-        plan = plan_step(trajs, shaped, trained, ranks, self.token_budget, algo.minibatches, algo.epochs, steps)
+        plan = plan_step(
+            trajs, shaped, trained, ranks, self.token_budget, algo.loss.minibatches, algo.loss.epochs, steps
+        )
         return dataclasses.replace(plan, group_size=len(groups[0].trajectories))
 
     async def score(self, plan: StepPlan) -> Scores:
@@ -167,7 +169,7 @@ class LearnerGroup:
         ]
         stats = await asyncio.gather(*[stats_ref for stats_ref, _ in expanded])
         moments = np.sum([s.moments for s in stats], axis=0)  # [count, sum, sum of squares] of A over the batch
-        whitening = moments if self.algorithm.whiten_advantages else None
+        whitening = moments if self.algorithm.estimator.whiten_advantages else None
         return Advantages(plan, summaries, [targets for _, targets in expanded], whitening)
 
     async def update(self, advantages: Advantages) -> dict[str, float]:

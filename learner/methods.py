@@ -45,7 +45,7 @@ class Method:
     loss: PolicyLoss  # l_t(logprobs, old_logprobs, advantages, mask, weights, **clip)
     aggregation: str  # token_mean | seq_mean | fixed_length
     clip: tuple[float, float] | None = (0.2, 0.2)  # default (eps_low, eps_high); None: the loss has no ratio clip
-    dual_clip: bool = False  # the loss takes algorithm.dual_clip (PPO's clipped surrogate)
+    dual_clip: bool = False  # the loss takes algorithm.loss.dual_clip (PPO's clipped surrogate)
     needs_critic: bool = False  # trains a value model (V_old for GAE)
     per_step_rewards: bool = False  # the reward function scores each reasoning step (process supervision)
 
@@ -56,22 +56,30 @@ class Method:
 
 
 def _grpo(a: AlgorithmConfig) -> AdvantageEstimator:
-    eps = a.advantage_eps
+    eps = a.estimator.advantage_eps
     return GroupOutcome(lambda rewards, group_size: grpo_advantages(rewards, group_size, eps))
 
 
 METHODS: dict[str, Method] = {
-    "reinforce": Method(lambda a: ReinforceBaseline(a.gamma), vanilla_pg_loss, "token_mean", clip=None),
+    "reinforce": Method(lambda a: ReinforceBaseline(a.estimator.gamma), vanilla_pg_loss, "token_mean", clip=None),
     "rloo": Method(lambda a: GroupOutcome(rloo_advantages), ppo_clip_loss, "token_mean", dual_clip=True),
     "grpo": Method(_grpo, ppo_clip_loss, "token_mean", dual_clip=True),
     "grpo_process": Method(
-        lambda a: ProcessSteps(a.advantage_eps), ppo_clip_loss, "token_mean", dual_clip=True, per_step_rewards=True
+        lambda a: ProcessSteps(a.estimator.advantage_eps),
+        ppo_clip_loss,
+        "token_mean",
+        dual_clip=True,
+        per_step_rewards=True,
     ),
     "dr_grpo": Method(lambda a: GroupOutcome(dr_grpo_advantages), ppo_clip_loss, "fixed_length", dual_clip=True),
     "gspo": Method(_grpo, gspo_loss, "seq_mean", clip=(3e-4, 4e-4)),
     "cispo": Method(_grpo, cispo_loss, "token_mean", clip=(1.0, 0.2)),
     "ppo": Method(
-        lambda a: GeneralizedAdvantage(a.gamma, a.lam), ppo_clip_loss, "token_mean", dual_clip=True, needs_critic=True
+        lambda a: GeneralizedAdvantage(a.estimator.gamma, a.estimator.lam),
+        ppo_clip_loss,
+        "token_mean",
+        dual_clip=True,
+        needs_critic=True,
     ),
 }
 

@@ -48,8 +48,8 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     method = algorithm.method
     clip = algorithm.clip
     params = {} if clip is None else {"eps_low": clip[0], "eps_high": clip[1]}
-    if method.dual_clip and algorithm.dual_clip is not None:
-        params["dual_clip"] = algorithm.dual_clip
+    if method.dual_clip and algorithm.loss.dual_clip is not None:
+        params["dual_clip"] = algorithm.loss.dual_clip
     policy_loss = partial(method.loss, **params)
     weigh = partial(aggregation_weights, aggregation=algorithm.aggregation, max_tokens=max_tokens)
     tis = algorithm.tis

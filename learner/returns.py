@@ -45,10 +45,10 @@ def penalised_rewards(
     what each sequence scores before any batch statistic, so what decides whether a group's completions
     differ at all (dynamic sampling, ``zero_variance_frac``)."""
     r = rewards.float()
-    if algorithm.truncation_penalty is not None:
-        r = truncation_penalty(r, truncated, algorithm.truncation_penalty)
-    if algorithm.soft_overlong:
-        soft = algorithm.soft_overlong
+    if algorithm.shaping.truncation_penalty is not None:
+        r = truncation_penalty(r, truncated, algorithm.shaping.truncation_penalty)
+    if algorithm.shaping.soft_overlong:
+        soft = algorithm.shaping.soft_overlong
         r = soft_overlong_penalty(r, lengths.float(), max_tokens, soft.cache_len, soft.factor)
     return r
 
@@ -67,11 +67,11 @@ def shape_sequence_rewards(
     (a truncated completion whose tokens are masked out still has its length, and its penalty).
     """
     r = penalised_rewards(rewards, truncated, lengths, algorithm, max_tokens)
-    if algorithm.normalise_rewards:
+    if algorithm.shaping.normalise_rewards:
         stats.count, stats.mean, stats.var = update_running_moments(stats.count, stats.mean, stats.var, r)
         r = normalise_rewards(r, stats.mean, stats.var)
-    if algorithm.whiten_rewards != "none":
-        r = whiten(r, torch.ones_like(r), shift_mean=algorithm.whiten_rewards == "whiten")
+    if algorithm.shaping.whiten_rewards != "none":
+        r = whiten(r, torch.ones_like(r), shift_mean=algorithm.shaping.whiten_rewards == "whiten")
     return r
 
 

@@ -59,7 +59,7 @@ CURVES: list[tuple[str, str, str, Callable[[list[RunData]], Figure | None], str]
      "of tokens whose rho was truncated, the mismatch KL and the effective sample size.", figures.tis_figure,
      "no TIS statistics (algorithm.tis.mode: none)"),
     ("drops", "Dropped and filtered groups", "Groups dropped for being older than run.max_staleness, and groups "
-     "filtered out (algorithm.filter_groups), per step.", figures.drops_figure, "no dropped/filtered counts"),
+     "filtered out (algorithm.filtering.groups), per step.", figures.drops_figure, "no dropped/filtered counts"),
     ("idle", "Idle time", "Learner: learner_wait_s / step_seconds, the share of a step spent waiting for a batch. "
      "Actors: the share of each step window spent in wait_prompts or wait_weights while nothing generates "
      "(from the timeline).", figures.idle_figure, ""),

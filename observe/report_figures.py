@@ -161,7 +161,7 @@ def drops_figure(runs: list[RunData]) -> Figure | None:
         return None
     fig, axes = _figure(1, 2, 3.6, "Dropped and filtered groups")
     _curves(axes[0], runs, "dropped_stale", "dropped: older than run.max_staleness", "groups")
-    _curves(axes[1], runs, "filtered_groups", "filtered by algorithm.filter_groups", "groups")
+    _curves(axes[1], runs, "filtered_groups", "filtered by algorithm.filtering.groups", "groups")
     for ax in axes:  # counts: from 0, whole numbers, and a visible axis when every count is 0
         top = max(ax.get_ylim()[1], 1.0)
         ax.set_ylim(-0.04 * top, top)  # a line of zeros stays clear of the axis

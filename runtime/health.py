@@ -61,7 +61,7 @@ class RunHealth:
             return
         self.said_oversample = True
         self.say(
-            f"step {step + 1}: dynamic sampling reached algorithm.max_oversample ({max_oversample:g} x "
+            f"step {step + 1}: dynamic sampling reached algorithm.filtering.max_oversample ({max_oversample:g} x "
             f"{prompts_per_step} groups): zero-variance groups fill the batch; most groups have equal rewards "
             "(too easy or too hard a task?)"
         )

@@ -44,10 +44,10 @@ def test_missing_and_invalid_values():
 
 
 def test_cross_field_rules_name_the_fields():
-    with pytest.raises(ConfigError, match="cannot fill algorithm.minibatches = 256"):
-        load_config(None, REQUIRED + ["algorithm.minibatches=256"])  # 16 x 8 = 128 sequences
+    with pytest.raises(ConfigError, match="cannot fill algorithm.loss.minibatches = 256"):
+        load_config(None, REQUIRED + ["algorithm.loss.minibatches=256"])  # 16 x 8 = 128 sequences
     with pytest.raises(ConfigError, match="cache_len = 16 must be below rollout.max_tokens = 16"):
-        load_config(None, REQUIRED + ["algorithm.soft_overlong={cache_len: 16}"])
+        load_config(None, REQUIRED + ["algorithm.shaping.soft_overlong={cache_len: 16}"])
     with pytest.raises(ConfigError, match="kl.placement=reward is not defined for grpo_process"):
         load_config(None, REQUIRED + ["algorithm.name=grpo_process", "algorithm.kl.placement=reward"])
 
@@ -55,10 +55,10 @@ def test_cross_field_rules_name_the_fields():
 @pytest.mark.parametrize(
     "setting",
     [
-        "algorithm.truncation_penalty=-1",
-        "algorithm.soft_overlong={cache_len: 4}",
-        "algorithm.normalise_rewards=true",
-        "algorithm.whiten_rewards=whiten",
+        "algorithm.shaping.truncation_penalty=-1",
+        "algorithm.shaping.soft_overlong={cache_len: 4}",
+        "algorithm.shaping.normalise_rewards=true",
+        "algorithm.shaping.whiten_rewards=whiten",
     ],
 )
 def test_process_supervision_refuses_sequence_reward_shaping_it_would_ignore(setting):
@@ -131,3 +131,34 @@ def test_the_actors_engine_reports_the_sampled_distributions_logprobs_and_prefil
     assert kwargs["logprobs_mode"] == "processed_logprobs"  # after temperature, as the learner scores
     # no chunked prefill on the CPU: a seeded request split over two steps crashes vLLM's CPU runner
     assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 12000
+
+
+def test_a_config_written_before_the_algorithm_groups_loads_the_same_and_says_where_its_keys_went():
+    base = ["model.path=m", "data.prompts=p", "reward.function=f"]
+    flat = ["algorithm.minibatches=2", "algorithm.filter_groups=zero_variance", "algorithm.loss_aggregation=seq_mean"]
+    grouped = [
+        "algorithm.loss.minibatches=2",
+        "algorithm.filtering.groups=zero_variance",
+        "algorithm.loss.aggregation=seq_mean",
+    ]
+    old, new = load_config(None, [*base, *flat]), load_config(None, [*base, *grouped])
+    assert old.model_dump() == new.model_dump()
+    assert old.algorithm.updates_per_batch == 2 and old.algorithm.aggregation == "seq_mean"
+    assert "algorithm.minibatches is now algorithm.loss.minibatches; this config still loads" in old.warnings[0]
+    assert "algorithm.filter_groups is now algorithm.filtering.groups" in old.warnings[1]
+    assert not new.warnings
+    with pytest.raises(ConfigError, match="algorithm.minibatches"):  # given both ways: named, not guessed
+        load_config(None, [*base, "algorithm.minibatches=2", "algorithm.loss.minibatches=3"])
+
+
+def test_a_run_saved_with_the_flat_algorithm_section_resumes_without_a_config_change():
+    from learner.config import regroup
+    from runtime.saving import config_changes
+
+    now = load_config(None, ["model.path=m", "data.prompts=p", "reward.function=f", "algorithm.loss.epochs=2"])
+    then = now.model_dump(mode="json")
+    algorithm = then.pop("algorithm")
+    flat = {"name": algorithm["name"], "epochs": 2, "gamma": 1.0, "kl": algorithm["kl"]}  # as an older run wrote it
+    then["algorithm"], moved = regroup(flat)
+    assert moved == ["epochs", "gamma"]
+    assert config_changes(then, now.model_dump(mode="json")) == []

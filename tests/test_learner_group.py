@@ -102,8 +102,8 @@ def test_importance_weights_stay_fixed_across_epochs(tiny_model_dir):
     # rho = pi_old / pi_sampler is computed once per batch; with two epochs (a big step in between)
     # the mean rho over both epochs equals the first epoch's alone.
     b = batches(seed=1)
-    once = step(fake_group(tiny_model_dir, "algorithm.epochs=1"), b)
-    twice = step(fake_group(tiny_model_dir, "algorithm.epochs=2"), b)
+    once = step(fake_group(tiny_model_dir, "algorithm.loss.epochs=1"), b)
+    twice = step(fake_group(tiny_model_dir, "algorithm.loss.epochs=2"), b)
     assert twice["tis_rho_mean"] == pytest.approx(once["tis_rho_mean"], rel=1e-5)
     assert abs(once["tis_rho_mean"] - 1) > 1e-3  # the sampler's log-probs differ from the learner's
     assert twice["approx_kl"] > 0  # the second epoch really saw a moved policy
@@ -112,8 +112,10 @@ def test_importance_weights_stay_fixed_across_epochs(tiny_model_dir):
 @pytest.mark.parametrize("overrides", [["algorithm.name=ppo"], ["algorithm.name=ppo", "algorithm.kl.placement=reward"]])
 def test_separate_critic_and_reference_train_like_colocated(tiny_model_dir, overrides):
     b = batches(seed=2)
-    colocated = step(fake_group(tiny_model_dir, *overrides, "algorithm.whiten_advantages=true"), b)
-    separate = step(fake_group(tiny_model_dir, *overrides, "algorithm.whiten_advantages=true", separate=True), b)
+    colocated = step(fake_group(tiny_model_dir, *overrides, "algorithm.estimator.whiten_advantages=true"), b)
+    separate = step(
+        fake_group(tiny_model_dir, *overrides, "algorithm.estimator.whiten_advantages=true", separate=True), b
+    )
     for key in ("loss", "critic_value_mse", "advantage_abs_mean", "kl_ref_mean"):
         if key in colocated:
             assert separate[key] == pytest.approx(colocated[key], abs=1e-6), key
@@ -150,11 +152,13 @@ def test_masked_truncated_completions_train_no_token_but_count_in_their_group(ti
 
     lengths = [len(t.completion_token_ids) for g in batches() for t in g.trajectories[2:]]
     masked = step(
-        fake_group(tiny_model_dir, "algorithm.mask_truncated=true", f"algorithm.loss_aggregation={aggregation}"),
+        fake_group(
+            tiny_model_dir, "algorithm.shaping.mask_truncated=true", f"algorithm.loss.aggregation={aggregation}"
+        ),
         cut(batches()),
     )
     assert masked["tokens"] == sum(lengths)  # only the completions that ended trained
-    plain = step(fake_group(tiny_model_dir, f"algorithm.loss_aggregation={aggregation}"), cut(batches()))
+    plain = step(fake_group(tiny_model_dir, f"algorithm.loss.aggregation={aggregation}"), cut(batches()))
     assert plain["tokens"] > masked["tokens"]
 
     everything_cut = [make_group(p, [1.0, 0.0, 1.0, 0.0], completion_len=4) for p in range(2)]
@@ -162,7 +166,9 @@ def test_masked_truncated_completions_train_no_token_but_count_in_their_group(ti
         for t in g.trajectories:
             t.finish_reason = "length"
     nothing = step(
-        fake_group(tiny_model_dir, "algorithm.mask_truncated=true", f"algorithm.loss_aggregation={aggregation}"),
+        fake_group(
+            tiny_model_dir, "algorithm.shaping.mask_truncated=true", f"algorithm.loss.aggregation={aggregation}"
+        ),
         everything_cut,
     )
     assert nothing["tokens"] == 0 and nothing["loss"] == 0.0  # no NaN from empty normalisers
@@ -185,8 +191,8 @@ def test_gradient_checkpointing_trains_the_same_step(tiny_model_dir):
     "overrides, scoring_pass",
     [
         ([], False),  # one update per batch: the old policy is the current one, trained on directly
-        (["algorithm.epochs=2"], True),
-        (["algorithm.minibatches=2"], True),
+        (["algorithm.loss.epochs=2"], True),
+        (["algorithm.loss.minibatches=2"], True),
         (["algorithm.kl.placement=loss"], True),  # the KL's policy log-probs come before the update
     ],
 )
@@ -203,7 +209,7 @@ def test_policy_scores_before_training_only_when_an_update_or_a_kl_needs_it(tiny
 def test_masked_truncated_reward_counts_in_its_group_through_the_ranks(tiny_model_dir, monkeypatch):
     # The product's path (plan, shards, RankStep.summarise/expand, the driver's reduction): one group
     # {cut r=1 -> penalty -1; finished r=1; finished r=0} gives A = [-1.2247, 1.2247, 0] unmasked; with
-    # algorithm.mask_truncated the cut row trains nothing and the others keep 1.2247 and 0 (on main before
+    # algorithm.shaping.mask_truncated the cut row trains nothing and the others keep 1.2247 and 0 (on main before
     # the fix: 1.414 and -0.707, the cut row counted as reward 0).
     seen: list = []
     expand = RankStep.expand
@@ -216,7 +222,10 @@ def test_masked_truncated_reward_counts_in_its_group_through_the_ranks(tiny_mode
     monkeypatch.setattr(RankStep, "expand", recording)
     group = make_group(0, [1.0, 1.0, 0.0], completion_len=3)
     group.trajectories[0].finish_reason = "length"
-    step(fake_group(tiny_model_dir, "algorithm.truncation_penalty=-1", "algorithm.mask_truncated=true"), [group])
+    step(
+        fake_group(tiny_model_dir, "algorithm.shaping.truncation_penalty=-1", "algorithm.shaping.mask_truncated=true"),
+        [group],
+    )
     a = 1 / (2 / 3) ** 0.5
     assert sorted(seen[0][:, 0].tolist()) == pytest.approx([0.0, 0.0, a], abs=1e-4)
     assert seen[0].abs().sum().item() == pytest.approx(3 * a, abs=1e-3)  # a on the finished right answer's 3 tokens
@@ -238,7 +247,7 @@ def test_masked_truncated_completion_keeps_its_kl_in_the_baseline(tiny_model_dir
     kl = ["algorithm.kl.placement=reward", "algorithm.kl.beta=0.5", "algorithm.kl.estimator=k1"]
     runs = {}
     for masked in (False, True):
-        group = fake_group(tiny_model_dir, *kl, *(["algorithm.mask_truncated=true"] if masked else []))
+        group = fake_group(tiny_model_dir, *kl, *(["algorithm.shaping.mask_truncated=true"] if masked else []))
         step(group, batches())  # one update: the policy moves away from the reference, so KL != 0
         cut = make_group(9, [1.0, 1.0, 0.0], completion_len=5, seed=3)
         cut.trajectories[0].finish_reason = "length"

@@ -240,7 +240,9 @@ def test_a_group_with_a_penalised_cut_completion_carries_a_signal():
     from launch.config import load_config
     from learner.group import outcome_rewards
 
-    algo = load_config(None, ["model.path=m", "data.prompts=p", "reward.function=r", "algorithm.truncation_penalty=-1"])
+    algo = load_config(
+        None, ["model.path=m", "data.prompts=p", "reward.function=r", "algorithm.shaping.truncation_penalty=-1"]
+    )
     group = make_group(0, [1.0, 1.0])
     group.trajectories[0].finish_reason = "length"
     assert outcome_rewards(group.trajectories, algo.algorithm, 16) == [-1.0, 1.0]

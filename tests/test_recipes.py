@@ -145,10 +145,10 @@ def test_dapo_recipe_sets_the_dapo_choices():
     cfg = recipe("math-dapo-1node.yaml")
     algo = cfg.algorithm
     assert algo.clip == (0.2, 0.28)  # clip-higher
-    assert algo.loss_aggregation == "token_mean"
-    assert algo.filter_groups == "zero_variance" and algo.max_oversample > 1
+    assert algo.loss.aggregation == "token_mean"
+    assert algo.filtering.groups == "zero_variance" and algo.filtering.max_oversample > 1
     # overlong shaping: no penalty up to 8192 - 2048 = 6144 tokens
-    assert algo.soft_overlong is not None and algo.soft_overlong.cache_len == 2048
+    assert algo.shaping.soft_overlong is not None and algo.shaping.soft_overlong.cache_len == 2048
     assert cfg.rollout.max_tokens == 8192 and cfg.rollout.group_size == 16
     assert algo.kl.placement == "none" and not cfg.has_reference
     assert build_plan(cfg).reference is None

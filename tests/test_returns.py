@@ -88,31 +88,31 @@ def estimate(cfg: AlgorithmConfig, b: Batch, kl_beta: float = 0.0, ranks: list[l
 
 def test_truncation_penalty_replaces_the_score_of_cut_responses():
     b = batch([1.0, 0.5, 0.25, 0.0], [2, 4, 4, 1], truncated=[False, True, False, True])
-    r = shape(b, algo("algorithm.truncation_penalty=-1"), max_tokens=4, stats=RewardStats())
+    r = shape(b, algo("algorithm.shaping.truncation_penalty=-1"), max_tokens=4, stats=RewardStats())
     assert r.tolist() == [1.0, -1.0, 0.25, -1.0]
 
 
 def test_soft_overlong_ramps_over_the_last_tokens():
     # max 4 tokens, ramp over the last 2: lengths 2 -> 0, 3 -> -0.5, 4 -> -1 (times factor 1)
     b = batch([1.0, 1.0, 1.0], [2, 3, 4], group_size=3)
-    cfg = algo("rollout.max_tokens=4", "algorithm.soft_overlong={cache_len: 2, factor: 1.0}")
+    cfg = algo("rollout.max_tokens=4", "algorithm.shaping.soft_overlong={cache_len: 2, factor: 1.0}")
     r = shape(b, cfg, max_tokens=4, stats=RewardStats())
     assert r.tolist() == pytest.approx([1.0, 0.5, 0.0])
 
 
 def test_reward_whitening_variants_and_running_normalisation():
     b = batch([1.0, 3.0], [1, 1])  # mean 2, population std 1
-    assert shape(b, algo("algorithm.whiten_rewards=whiten"), 4, RewardStats()).tolist() == (
+    assert shape(b, algo("algorithm.shaping.whiten_rewards=whiten"), 4, RewardStats()).tolist() == (
         pytest.approx([-1.0, 1.0], abs=1e-6)
     )
     # keep_mean: (r - 2)/1 + 2 -> 1, 3
-    assert shape(b, algo("algorithm.whiten_rewards=whiten_keep_mean"), 4, RewardStats()).tolist() == (
+    assert shape(b, algo("algorithm.shaping.whiten_rewards=whiten_keep_mean"), 4, RewardStats()).tolist() == (
         pytest.approx([1.0, 3.0], abs=1e-6)
     )
     stats = RewardStats()
-    shape(b, algo("algorithm.normalise_rewards=true"), 4, stats)
+    shape(b, algo("algorithm.shaping.normalise_rewards=true"), 4, stats)
     b2 = batch([5.0, 7.0], [1, 1])
-    r = shape(b2, algo("algorithm.normalise_rewards=true"), 4, stats)
+    r = shape(b2, algo("algorithm.shaping.normalise_rewards=true"), 4, stats)
     # running over [1, 3, 5, 7]: mean 4, population var 5 -> (5 - 4)/sqrt(5), (7 - 4)/sqrt(5)
     assert r.tolist() == pytest.approx([1 / 5**0.5, 3 / 5**0.5], abs=1e-5)
     assert float(stats.count) == 4
@@ -148,7 +148,7 @@ def test_kl_in_reward_shapes_group_and_token_rewards():
 def test_gae_with_the_critic_values_gives_returns_for_the_critic():
     b = batch([1.0, 0.0], [2, 1])
     b.values = torch.tensor([[0.5, 0.25], [0.5, 9.0]])  # 9.0 sits in padding and must not matter
-    adv, returns = estimate(algo("algorithm.name=ppo", "algorithm.lam=1.0"), b)
+    adv, returns = estimate(algo("algorithm.name=ppo", "algorithm.estimator.lam=1.0"), b)
     # lambda = gamma = 1: A_t = R - V_t. Seq 0: 1 - 0.5 = 0.5, 1 - 0.25 = 0.75. Seq 1: 0 - 0.5 = -0.5.
     torch.testing.assert_close(adv, torch.tensor([[0.5, 0.75], [-0.5, 0.0]]))
     torch.testing.assert_close(returns[:, 0], torch.tensor([1.0, 0.0]))  # V + A = R
@@ -225,7 +225,7 @@ def test_importance_weights_use_the_old_policy_not_the_updated_one():
     # e^0.5 = 1.65 (clipped to 1.2) would count the same drift a second time.
     logp = torch.tensor([[0.5]], requires_grad=True)
     b = _view(torch.tensor([[0.0]]), torch.tensor([[1.0]]), sampler=torch.tensor([[-1.0]]))
-    cfg = algo("algorithm.epochs=2", "algorithm.tis.mode=truncate", "algorithm.tis.cap=10")
+    cfg = algo("algorithm.loss.epochs=2", "algorithm.tis.mode=truncate", "algorithm.tis.cap=10")
     loss, metrics = build_objective(cfg, max_tokens=1)(logp, b, Normaliser(1.0, 1.0), kl_beta=0.0)
     # rho = e^(0 - -1) = 2.718 (under the cap 10); PPO: ratio e^0.5 = 1.649 -> clipped 1.2, A = 1
     # loss = -1.2 x 2.718 = -3.262 (the updated policy would give rho = e^1.5 = 4.48, loss -5.38)
@@ -257,7 +257,7 @@ def test_advantages_split_over_ranks_equal_the_whole_batch(name):
     b.step_end = (torch.rand(N, T) < 0.4).float() * b.mask
     b.step_rewards = torch.randn(N, T) * b.step_end
     placement = "loss" if name == "grpo_process" else "reward"
-    cfg = algo(f"algorithm.name={name}", f"algorithm.kl.placement={placement}", "algorithm.gamma=0.9")
+    cfg = algo(f"algorithm.name={name}", f"algorithm.kl.placement={placement}", "algorithm.estimator.gamma=0.9")
     whole, whole_returns = estimate(cfg, b, kl_beta=0.2)
     split, split_returns = estimate(cfg, b, kl_beta=0.2, ranks=[[5, 0, 3], [7, 1, 6, 2, 4]])
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
@@ -271,7 +271,7 @@ def test_advantages_split_over_ranks_equal_the_whole_batch(name):
     torch.testing.assert_close(whiten(whole[:3], b.mask[:3], moments=moments), whiten(whole, b.mask)[:3])
 
 
-# --- algorithm.mask_truncated: a completion that trains no token still counts in its baselines -------------
+# --- algorithm.shaping.mask_truncated: a completion that trains no token still counts in its baselines -------------
 def masked_first_row(b: Batch) -> Batch:
     """Row 0 trains no token (its loss mask zeroed, as mask_truncated does) but keeps its completion."""
     b.completion = b.mask.clone()
@@ -284,7 +284,7 @@ def test_masked_truncated_reward_still_counts_in_the_group_baseline():
     # {truncated r=1 -> penalty -1; finished r=1; finished r=0}: shaped [-1, 1, 0], mean 0,
     # population std sqrt(2/3) = 0.8165 -> A = [-1.2247, 1.2247, 0]. Masking row 0 removes its tokens
     # from the loss only: rows 1 and 2 keep 1.2247 and 0 (before the fix: 1.414 and -0.707, row 0 as 0).
-    cfg = algo("algorithm.truncation_penalty=-1", "algorithm.mask_truncated=true")
+    cfg = algo("algorithm.shaping.truncation_penalty=-1", "algorithm.shaping.mask_truncated=true")
     b = batch([1.0, 1.0, 0.0], [3, 2, 2], group_size=3, truncated=[True, False, False])
     b.rewards = shape(b, cfg, max_tokens=3, stats=RewardStats())
     assert b.rewards.tolist() == [-1.0, 1.0, 0.0]
@@ -318,7 +318,7 @@ def test_masked_truncated_completion_keeps_its_soft_overlong_penalty():
     done = make_trajectory([5, 6], [7, 8], 1.0, 0)
     rewards, truncated, lengths = sequence_rewards([cut, done])
     assert lengths.tolist() == [4.0, 2.0]
-    cfg = algo("rollout.max_tokens=4", "algorithm.soft_overlong={cache_len: 2, factor: 1.0}")
+    cfg = algo("rollout.max_tokens=4", "algorithm.shaping.soft_overlong={cache_len: 2, factor: 1.0}")
     shaped = shape_sequence_rewards(rewards, truncated, lengths, cfg, 4, RewardStats())
     assert shaped.tolist() == pytest.approx([0.0, 1.0])
 

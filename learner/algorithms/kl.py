@@ -64,7 +64,7 @@ def kl_reward_shaping(
     token of the completion.
 
     The task reward belongs to the sequence, not to the tokens that are trained: a completion whose
-    tokens are all masked out (``algorithm.mask_truncated``) still carries its reward, so it still
+    tokens are all masked out (``algorithm.shaping.mask_truncated``) still carries its reward, so it still
     counts in its group's baseline. Hence two masks.
 
     Args:
