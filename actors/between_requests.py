@@ -47,7 +47,8 @@ class BetweenRequests:
     def __init__(self, spec: ActorSpec, clock: PolicyClock, spans: Spans, engine: Any = None):
         self.spec, self.clock, self.spans, self.llm = spec, clock, spans, engine
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-engine")
-        self.pending: list[tuple[PromptRequest, asyncio.Future]] = []
+        self.pending: list[tuple[PromptRequest, asyncio.Future]] = []  # requests of the next generate call
+        self.calls: set[asyncio.Task] = set()
         self.seed = spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
 
     async def on_engine(self, fn, *args, **kwargs):
@@ -64,29 +65,40 @@ class BetweenRequests:
     async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:
         """Completions of ``request``, sampled in one generate call with every request made in the same
         turn of the event loop (the rollouts of a batch start together)."""
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.pending.append((request, future))
         if len(self.pending) == 1:
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._generate_pending()))
+            loop.call_soon(self._start_call)
         return await future
 
+    def _start_call(self) -> None:
+        self.calls.add(task := asyncio.ensure_future(self._generate_pending()))  # held until it ends
+        task.add_done_callback(self.calls.discard)
+
     async def _generate_pending(self) -> None:
+        """One generate call for every pending request; any error reaches every waiting rollout."""
         batch, self.pending = self.pending, []
-        requests = [request for request, _ in batch]
-        params = [request_params(self.spec, r, seed=self.seed + r.seed_offset) for r in requests]
         try:
+            requests = [request for request, _ in batch]
+            params = [request_params(self.spec, r, seed=self.seed + r.seed_offset) for r in requests]
             outputs = await self.on_engine(
                 self.llm.generate, [engine_prompt(r) for r in requests], params, use_tqdm=False
             )
+            version = self.clock.version  # weights change only between calls
+            results = [(list(out.prompt_token_ids), [_completion(c, version) for c in out.outputs]) for out in outputs]
+            if len(results) != len(batch):
+                raise RuntimeError(f"the engine returned {len(results)} outputs for {len(batch)} prompts")
         except BaseException as exc:
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
             return
-        version = self.clock.version  # weights change only between calls
-        for (_, future), out in zip(batch, outputs, strict=True):
+        for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
-                future.set_result((list(out.prompt_token_ids), [_completion(c, version) for c in out.outputs]))
+                future.set_result(result)
 
     async def generate_one(self, prompt, params):
         """One finished output for ``prompt`` (checks and tests)."""

@@ -51,7 +51,12 @@ def load_reward_function(spec: str, cfg: RewardConfig | None = None) -> RewardFn
         raise RewardSpecError(f"reward.function {spec!r} must be 'path/to/file.py:function_name' or 'builtin:<task>'")
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
-        raise RewardSpecError(f"reward.function file {path} does not exist; check the path before ':'")
+        relative = (
+            ""
+            if Path(path_text).expanduser().is_absolute()
+            else " (a relative path is taken from the directory tandem runs in)"
+        )
+        raise RewardSpecError(f"reward.function file {path} does not exist; check the path before ':'{relative}")
     module_name = f"tandem_reward_{abs(hash(str(path)))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)

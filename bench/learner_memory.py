@@ -169,7 +169,7 @@ def _child(model_path: str, n: int, vocab: int, scheme: str, repeats: int, seed:
         "tokens": n,
         "vocab": vocab,
         "attention": f"{attention.implementation} ({attention.mask} mask)",
-        "micro_batches": sum(len(mb) for mb in group.plan(groups).shards[0].micro_sizes),
+        "micro_batches": sum(len(mb) for mb in group.shape_rewards(groups).shards[0].micro_sizes),
         "before_gb": before / GB,
         "peak_gb": peak / GB,
         "step_gb": max(0, peak - before) / GB,

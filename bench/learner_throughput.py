@@ -172,7 +172,7 @@ def main() -> None:
     group = LearnerGroup([worker], cfg.algorithm, learner.token_budget, cfg.rollout.max_tokens)
 
     # B trains on A's plan: the same micro-batches, with the same GRPO advantages
-    plan = group.plan(groups)
+    plan = group.shape_rewards(groups)
     tokens, sizes = plan.shards[0].tokens, plan.shards[0].micro_sizes[0]
     advantages = grpo_advantages(plan.gather([{"r": tokens.rewards}])["r"], args.samples)[plan.order[0]]
     pad_id, start, bare_batches = tiny_vocab()["<pad>"], 0, []

@@ -78,12 +78,14 @@ def _render_launcher(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_plan(config_path: str, overrides: list[str], address: str | None) -> int:
+def show_plan(config_path: str | list[str], overrides: list[str], address: str | None) -> int:
     """``tandem plan``: the placement, checked against a running cluster when ``--address`` is given."""
     from cluster.placement import check_fits, describe_plan, local_ray_cpus
     from launch.plan import build_plan
 
     cfg = load_config(config_path, overrides)
+    for line in cfg.warnings:
+        print(f"tandem: warning: {line}", file=sys.stderr)
     kinds, strategy = build_plan(cfg).kinds, cfg.resources.strategy
     if not address:
         print(describe_plan(kinds, strategy))
@@ -104,7 +106,7 @@ def show_plan(config_path: str, overrides: list[str], address: str | None) -> in
 
 def _add_launchers(sub) -> None:
     pl = sub.add_parser("plan", help="print the placement without running it")
-    pl.add_argument("--config", required=True)
+    pl.add_argument("--config", action="append", required=True, help="YAML config (several merge in order)")
     pl.add_argument("--address", help="check against this running Ray cluster")
     pl.add_argument("overrides", nargs="*", help="config overrides, key=value")
     sl = sub.add_parser("slurm", help="print an sbatch script: Ray over the allocation, then tandem train")

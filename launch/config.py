@@ -15,11 +15,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from actors.config import ActorPlacement, EngineConfig, RewardConfig, RewardModelPlacement, RolloutConfig
 from cluster.config import WeightsConfig
-from learner.config import AlgorithmConfig, CriticPlacement, LearnerConfig, LearnerPlacement, ReferencePlacement
+from learner.config import (
+    REGROUPED,
+    AlgorithmConfig,
+    CriticPlacement,
+    LearnerConfig,
+    LearnerPlacement,
+    ReferencePlacement,
+    regroup,
+    regrouped_warning,
+)
 from observe.trackers import TrackingConfig
 from queues.config import DataConfig
 from runtime.evaluation import EvalConfig
@@ -134,6 +143,8 @@ class RunConfig(TrackingConfig, _RunMiddle, CheckpointConfig, _RunStart):
 
 
 class TandemConfig(Section):
+    _regrouped: list[str] = PrivateAttr(default_factory=list)  # flat algorithm keys read in their groups (load_config)
+
     model: ModelConfig
     data: DataConfig
     reward: RewardConfig
@@ -177,7 +188,7 @@ class TandemConfig(Section):
     @property
     def warnings(self) -> list[str]:
         """Valid settings that are probably not what the user meant: printed before the run, one line each."""
-        return self.algorithm.warnings
+        return ([regrouped_warning(self._regrouped)] if self._regrouped else []) + self.algorithm.warnings
 
     @property
     def has_critic(self) -> bool:
@@ -223,7 +234,11 @@ def _explain(err: ValidationError) -> str:
             valid = ", ".join(section.model_fields) if section else "?"
             lines.append(f"unknown config key '{where}'; valid keys here: {valid}")
         elif e["type"] == "missing":
-            lines.append(f"missing config key '{where}'; add it to the YAML or pass {where}=...")
+            section = _section_of(e["loc"])  # a whole section missing: name the keys it needs
+            needed = [f"{where}.{n}" for n, f in section.model_fields.items() if f.is_required()] if section else []
+            lines.append(
+                f"missing config key '{where}'; add it to the YAML or pass {'=... '.join(needed or [where])}=..."
+            )
         elif e["type"] == "value_error":  # a rule of a section's own: its message names the keys
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
@@ -267,14 +282,44 @@ def load_config(path: str | Path | list | None, overrides: list[str] | None = No
     """Read a YAML config (or several, merged in order: e.g. a job and the overrides ``tandem tune``
     wrote), apply ``key=value`` overrides, validate; raise ``ConfigError`` on any problem."""
     tree: dict = {}
+    moved: list[str] = []  # flat algorithm keys (written before the groups), read in their groups
     for p in [] if path is None else path if isinstance(path, list) else [path]:
-        tree = _merge(tree, _read_tree(Path(p)))
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
+        tree = _merge(tree, _grouped(_read_tree(Path(p)), moved))
+    pairs = parse_overrides(overrides or [])
+    given = {key for key, _ in pairs}
+    for key, value in pairs:
+        _set_dotted(tree, _grouped_key(key, given, moved), value)
     try:
-        return TandemConfig.model_validate(tree)
+        cfg = TandemConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
+    cfg._regrouped = list(dict.fromkeys(moved))
+    return cfg
+
+
+def _grouped(tree: dict, moved: list[str]) -> dict:
+    """One config file's tree with a flat ``algorithm`` section (older configs) in its groups: each source is
+    grouped before the sources merge, so a later source's key wins however either was written."""
+    if isinstance(tree.get("algorithm"), dict):
+        try:
+            tree["algorithm"], keys = regroup(tree["algorithm"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        moved += keys
+    return tree
+
+
+def _grouped_key(key: str, given: set[str], moved: list[str]) -> str:
+    """An override's key, a flat ``algorithm.<key>`` moved to its group (refused when the overrides also
+    give the grouped key)."""
+    section, _, name = key.partition(".")
+    if section != "algorithm" or name not in REGROUPED:
+        return key
+    grouped = "algorithm." + ".".join(REGROUPED[name])
+    if grouped in given:
+        raise ConfigError(f"{key} and {grouped} are the same setting, given twice; keep {grouped}")
+    moved.append(name)
+    return grouped
 
 
 def config_reference() -> str:

@@ -76,8 +76,9 @@ async def train(
     )
     parts = await assemble(cfg, plan, run, rows, model_path, resume, eval_rows)
     progress, learner = parts.progress, parts.learner
+    which = f"steps {progress.done + 1}-{cfg.run.steps}" if progress.done else f"{cfg.run.steps} steps"
     run.say(
-        f"training {cfg.run.steps} steps: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} "
+        f"training {which}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} "
         f"samples per step, max staleness {cfg.run.max_staleness}"
     )
     feeding = settled(asyncio.create_task(parts.admission.feed()), run.say, "the rollout loop")

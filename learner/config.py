@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from learner.algorithms import AGGREGATIONS, KL_ESTIMATORS
 from learner.algorithms.importance import LEVELS as TIS_LEVELS
@@ -183,6 +183,7 @@ class FilteringConfig(Section):
     )
 
 
+GROUPS = ("estimator", "loss", "shaping", "filtering")
 # Where each key of the flat algorithm section of configs written before the groups went: still read.
 REGROUPED = {
     **{k: ("estimator", k) for k in ("gamma", "lam", "advantage_eps", "whiten_advantages", "step_delimiter")},
@@ -197,19 +198,34 @@ REGROUPED = {
 }
 
 
+def regrouped_warning(moved: list[str]) -> str:
+    """The one line that says a config's flat algorithm keys were read in their groups."""
+    moves = [f"{key} -> {'.'.join(REGROUPED[key])}" for key in moved]
+    more = f" and {len(moves) - 3} more" if len(moves) > 3 else ""
+    return (
+        f"algorithm keys written flat, as before they were grouped ({', '.join(moves[:3])}{more}): they load the "
+        "same; new configs use the grouped names"
+    )
+
+
 def regroup(section: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """An ``algorithm`` section written flat (before its keys were grouped) in the grouped form, and the
-    keys moved (``[]`` for a section already grouped)."""
-    out, moved = {k: v for k, v in section.items() if k not in REGROUPED}, []
-    for key, value in section.items():
-        if key in REGROUPED:
-            group, name = REGROUPED[key]
-            target = out.setdefault(group, {})
-            if isinstance(target, dict) and name not in target:
-                target[name] = value
-                moved.append(key)
-            else:  # given both ways: left for the validator to name
-                out[key] = value
+    keys moved (``[]`` for a section already grouped). One source (a YAML file, the overrides) giving a key
+    both ways is refused; ``launch/config.py`` regroups each source before merging them, so a later
+    source's key wins whichever way either was written. ``section`` is left as it was."""
+    out, moved = {k: (dict(v) if k in GROUPS and isinstance(v, dict) else v) for k, v in section.items()}, []
+    for key in [k for k in out if k in REGROUPED]:
+        group, name = REGROUPED[key]
+        target = out.setdefault(group, {})
+        if not isinstance(target, dict):
+            continue  # the group itself is malformed: validation names it
+        if name in target:
+            raise ValueError(
+                f"algorithm.{key} and algorithm.{group}.{name} are the same setting, given twice; "
+                f"keep algorithm.{group}.{name}"
+            )
+        target[name] = out.pop(key)
+        moved.append(key)
     return out, moved
 
 
@@ -228,18 +244,11 @@ class AlgorithmConfig(Section):
     kl: KLConfig = Field(default_factory=KLConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
-    _regrouped: list[str] = PrivateAttr(default_factory=list)  # flat keys of an older config, moved
-
-    @model_validator(mode="wrap")
+    @model_validator(mode="before")
     @classmethod
-    def _read_flat_keys(cls, data: Any, handler) -> AlgorithmConfig:
-        """A config written before the groups (``algorithm.minibatches``) still loads, saying where its keys went."""
-        moved: list[str] = []
-        if isinstance(data, dict):
-            data, moved = regroup(data)
-        section = handler(data)
-        section._regrouped = moved
-        return section
+    def _read_flat_keys(cls, data: Any) -> Any:
+        """A section written before the groups (``minibatches``) still loads (``launch/config.py`` says so)."""
+        return regroup(data)[0] if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _kl_fits_the_method(self) -> AlgorithmConfig:
@@ -274,10 +283,7 @@ class AlgorithmConfig(Section):
     @property
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the user wants, one line each."""
-        out = [
-            f"algorithm.{key} is now algorithm.{'.'.join(REGROUPED[key])}; this config still loads, but write it so"
-            for key in self._regrouped
-        ]
+        out = []
         if self.kl.in_loss and self.kl.estimator == "k1":
             out.append(
                 "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term does not involve the "

@@ -38,17 +38,7 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         raise DatasetError(f"prompt file {p} does not exist; set data.prompts to a JSONL file or 'builtin:<task>'")
     rows = []
-    for lineno, line in utf8_lines(p, str(p)):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{p} line {lineno} is not valid JSON ({exc.msg}); fix or remove that line") from None
-        if not isinstance(row, dict):
-            raise DatasetError(
-                f'{p} line {lineno} is a {type(row).__name__}, not an object like {{"prompt": ..., "answer": ...}}'
-            )
+    for lineno, row in json_objects(p):
         if not isinstance(row.get("prompt"), str) or not row["prompt"]:
             problem = (
                 "has no 'prompt' field" if "prompt" not in row else "has a 'prompt' that is not a non-empty string"
@@ -58,6 +48,23 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
     if not rows:
         raise DatasetError(f"prompt file {p} has no rows")
     return rows
+
+
+def json_objects(path: Path):
+    """``(line number, object)`` of each non-blank line of a JSONL file; a ``DatasetError`` naming the first
+    line that is not valid JSON, or not an object."""
+    for lineno, line in utf8_lines(path, str(path)):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path} line {lineno} is not valid JSON ({exc.msg}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise DatasetError(
+                f'{path} line {lineno} is a {type(row).__name__}, not an object like {{"prompt": ..., "answer": ...}}'
+            )
+        yield lineno, row
 
 
 class PromptStream:

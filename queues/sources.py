@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from queues.prompts import DatasetError, read_jsonl_rows, utf8_lines
+from queues.prompts import DatasetError, json_objects, utf8_lines
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 NAMED = 5  # row indices named per reason
@@ -77,7 +77,7 @@ def load_table(source: str, split: str, subset: str | None, what: str = "data.pr
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read is said here, in one line
     path = Path(source).expanduser()
     try:
         if path.is_file():
@@ -104,7 +104,8 @@ def load_table(source: str, split: str, subset: str | None, what: str = "data.pr
         raise
     except Exception as exc:  # datasets raises many kinds; the first line of any of them says enough
         if path.is_file() and FILE_BUILDERS.get(path.suffix.lower()) == "json" and path.suffix.lower() == ".jsonl":
-            read_jsonl_rows(path)  # names the broken line, if one is
+            for _ in json_objects(path):  # names the broken line, if one is
+                pass
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         hint = (
             "check the file"

@@ -63,7 +63,8 @@ class BatchCollector:
     """Pulls groups from the results queue until a step's batch is complete. ``actors``: the actor
     pool (or an ``ActorWatch``, or a dict of each actor's ``run`` reference by name), told of a loop that
     ended. ``admission`` (``runtime/admission.py``) says whether a group is new and takes back a group
-    too stale to train or without a signal (None: nothing is trained here, every group counts as new);
+    too stale to train or without a signal (None: nothing is trained here, as in ``tandem eval``: every group
+    counts as new and none is too stale; ``max_filtered`` needs an admission);
     evaluation groups go to ``evaluator`` (``runtime/evaluation.py``); the actors' timeline spans that
     ride on the groups go to ``run``'s timeline."""
 
@@ -150,7 +151,7 @@ class BatchCollector:
                     self._evaluate(group)
                 elif group.prompt_id in seen or (self.admission is not None and not self.admission.is_new(group)):
                     batch.duplicates += 1  # e.g. a dead actor's late result of a prompt generated again
-                elif step - group.oldest_version > max_staleness:
+                elif self.admission is not None and step - group.oldest_version > max_staleness:
                     batch.dropped += 1  # never trained on: counted and generated again
                     await self.admission.too_stale(group)
                 elif self._filter_out(batch, group):

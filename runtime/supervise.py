@@ -176,7 +176,7 @@ def fix_for(line: str) -> str:
 
 
 class ActorStarter(Protocol):
-    """How the pool starts an actor and its loop (``launch/build.py`` makes the real one)."""
+    """How the pool starts an actor and its loop (``launch/assemble.py`` makes the real one)."""
 
     async def start(self, index: int) -> object:
         """A new, ready generation actor ``index`` (on its placement bundle, placed again if its node is gone)."""

@@ -281,3 +281,20 @@ def test_inflight_actor_raises_a_failed_generation():
 
     with pytest.raises(RuntimeError, match="engine failed on this prompt"):
         asyncio.run(go())
+
+
+def test_between_requests_an_engine_answer_that_cannot_be_read_fails_every_waiting_rollout():
+    # the review found a short answer (fewer outputs than prompts) left the rollouts waiting for ever
+    class ShortLLM(FakeLLM):
+        def generate(self, prompts, params, use_tqdm=False):
+            return super().generate(prompts, params, use_tqdm)[:-1]
+
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2), ShortLLM())
+    requests = [PromptRequest(i, {"prompt": "copy 5:", "answer": "5"}, min_version=0) for i in range(3)]
+
+    async def go():
+        await actor.ready()
+        return await asyncio.wait_for(actor.generate(requests), 5)
+
+    with pytest.raises(RuntimeError, match="the engine returned 2 outputs for 3 prompts"):
+        asyncio.run(go())

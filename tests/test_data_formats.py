@@ -5,6 +5,7 @@ real reward-parts code and worker processes. Fast: the parquet files are written
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pyarrow as pa
@@ -237,3 +238,19 @@ def test_a_file_that_is_not_utf8_is_one_line_naming_its_line(tmp_path, suffix, b
         f"data.prompts {path} line {line} is not UTF-8 text (byte 0xe9 cannot be decoded); save the file as UTF-8 "
         "(for example: iconv -f latin1 -t utf-8 OLD > NEW)"
     )
+
+
+def test_a_broken_line_of_a_gsm8k_file_is_named_in_one_line_whatever_the_prompt_field(tmp_path, capfd):
+    # with data.prompt_field=question the fallback reader stopped at line 1 ("has no 'prompt' field")
+    # and the datasets library printed its own "Failed to load JSON" line before ours
+    from queues.prompts import DatasetError
+    from queues.sources import load_table
+
+    lines = [json.dumps({"question": f"What is {i}+1?", "answer": f"#### {i + 1}"}) for i in range(12)]
+    lines[9] = '{"question": "broken", "answer" "#### 3"}'
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match=r"gsm.jsonl line 10 is not valid JSON .*; fix or remove that line$"):
+        load_table(str(path), "train", None)
+    out, err = capfd.readouterr()
+    assert "Failed to load JSON" not in out + err

@@ -35,6 +35,7 @@ BAIT = [
     ".venv/bin/python",
     "runs/demo-20250101/metrics.jsonl",
 ]
+ROOT = Path(__file__).resolve().parents[1]
 TRACKED = ["launch/cli.py", "actors/rewards.py", "configs/grpo.yaml", "README.md", "pyproject.toml"]
 CONFIG = {
     "model": {"path": "Qwen/Qwen2.5-0.5B"},
@@ -139,3 +140,13 @@ def test_dry_run_prints_the_exact_list_with_sizes_and_contacts_nothing(checkout,
     assert any(line.endswith(f"bytes in 9 files from {checkout}") for line in out)
     assert "left out: deploy.env (looks like a secret; --include it to ship it)" in out
     assert out[-1].startswith("would run: python -m launch.cli train --config configs/job.yaml")
+
+
+def test_a_job_outside_git_ships_every_package_pyproject_installs():
+    # the split of launch/ added schema/, runtime/ and observe/: a job packed without git lacked them
+    import tomllib
+
+    from launch.deploy.package import TANDEM_PACKAGES
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert sorted(TANDEM_PACKAGES) == sorted({name.split(".")[0] for name in packages})

@@ -43,7 +43,10 @@ SECRET_NAMES = (
 # Never shipped, whatever git says: environments, run directories, caches.
 LOCAL_STATE = (".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", ".mypy_cache",
                ".import_linter_cache", "*.egg-info")  # fmt: skip
-TANDEM_TREE = ("actors", "learner", "queues", "cluster", "launch", "configs", "pyproject.toml")
+# What a job needs outside git: every top-level package (pyproject.toml's [tool.setuptools] packages; a test
+# keeps them equal), the shipped configs and pyproject.toml
+TANDEM_PACKAGES = ("schema", "queues", "actors", "learner", "cluster", "runtime", "observe", "launch")
+TANDEM_TREE = (*TANDEM_PACKAGES, "configs", "pyproject.toml")
 SCANNED_SECTIONS = ("data", "eval", "reward")  # where a config names files the job reads
 
 
