@@ -53,15 +53,21 @@ class RunParts:
 class ActorStarter:
     """Starts generation actor ``index`` and its loop, at the run's start and as a replacement alike."""
 
-    def __init__(self, cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog, scheduling: dict):
+    def __init__(
+        self,
+        cfg: TandemConfig,
+        plan: Plan,
+        model_path: str,
+        run: RunLog,
+        scheduling: dict,
+        queues: tuple,
+        channels: list,
+    ):
+        """``queues``: (prompt queue, results queue); ``channels``: each actor's weight receiver, in order."""
         self.cfg, self.plan, self.model_path, self.run, self.scheduling = cfg, plan, model_path, run, scheduling
         self.names = plan.actors.names()
-        self.queues: tuple = ()  # (prompt, results), and each actor's weight receiver: set by ``connect``
-        self.channels: list = []
-        self.timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
-
-    def connect(self, queues: tuple, channels: list) -> None:
         self.queues, self.channels = queues, channels
+        self.timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
 
     def run_loop(self, actor, index: int):
         prompt_queue, results_queue = self.queues
@@ -129,9 +135,8 @@ async def assemble(
             f"resumed from {resume.path} at step {first}: {len(ledger.outstanding)} prompt(s) admitted before it "
             "are generated again"
         )
-    starter = ActorStarter(cfg, plan, model_path, run, scheduling)
-    channels = await learner.open_weight_channel(cfg.weights, starter.names, cfg.run.startup_timeout_s)
-    starter.connect((prompt_queue, results_queue), channels)
+    channels = await learner.open_weight_channel(cfg.weights, plan.actors.names(), cfg.run.startup_timeout_s)
+    starter = ActorStarter(cfg, plan, model_path, run, scheduling, (prompt_queue, results_queue), channels)
     run.mark("weight_channel")
     pace = Pace(prompts_per_step=P, max_staleness=k, start_version=first)
     admission = Admission(ledger, pace, prompt_queue, renderer.token_ids, cfg.run.data_timeout_s)

@@ -183,7 +183,6 @@ class FilteringConfig(Section):
     )
 
 
-GROUPS = ("estimator", "loss", "shaping", "filtering")
 # Where each key of the flat algorithm section of configs written before the groups went: still read.
 REGROUPED = {
     **{k: ("estimator", k) for k in ("gamma", "lam", "advantage_eps", "whiten_advantages", "step_delimiter")},
@@ -213,7 +212,8 @@ def regroup(section: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     keys moved (``[]`` for a section already grouped). One source (a YAML file, the overrides) giving a key
     both ways is refused; ``launch/config.py`` regroups each source before merging them, so a later
     source's key wins whichever way either was written. ``section`` is left as it was."""
-    out, moved = {k: (dict(v) if k in GROUPS and isinstance(v, dict) else v) for k, v in section.items()}, []
+    groups = {group for group, _ in REGROUPED.values()}
+    out, moved = {k: (dict(v) if k in groups and isinstance(v, dict) else v) for k, v in section.items()}, []
     for key in [k for k in out if k in REGROUPED]:
         group, name = REGROUPED[key]
         target = out.setdefault(group, {})

@@ -35,12 +35,12 @@ async def evaluate_model(
     scheduling = reserve([plan.actors], cfg.resources.strategy, cfg.resources.placement_timeout_s)
     run.say(f"evaluating {model_path} on {len(rows)} prompts x {cfg.eval.samples} with {plan.actors.count} actor(s)")
     actors = await build_generation_actors(cfg, plan, model_path, run, scheduling)
-    starter = ActorStarter(cfg, plan, model_path, run, scheduling)
     channel = RayWeightChannel()  # never published to: the actors keep the weights they loaded (version 0)
     P = cfg.rollout.prompts_per_step
     prompt_queue = build_queue("ray", "prompt", maxsize=P, actor_options=on_this_node())
     results_queue = build_queue("ray", "results", maxsize=2 * P, actor_options=on_this_node())
-    starter.connect((prompt_queue, results_queue), channel.receivers(starter.names))
+    receivers = channel.receivers(plan.actors.names())
+    starter = ActorStarter(cfg, plan, model_path, run, scheduling, (prompt_queue, results_queue), receivers)
     loops = {starter.run_loop(actor, i): name for i, (actor, name) in enumerate(zip(actors, starter.names))}
     renderer = PromptRenderer.load(model_path, cfg.data.chat_template, cfg.data.system_prompt)
     evaluator = Evaluator(
