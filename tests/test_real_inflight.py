@@ -39,7 +39,7 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
     from actors.generation import GenerationActor
     from learner.worker import stop_token_ids
 
-    # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way.
+    # 2 x 480 tokens (the model's 512 positions) take 1-2 s once warm: a swap 0.3 s in lands mid-way here.
     rollout = dict(group_size=2, max_tokens=480, min_tokens=480, weight_update="inflight")
     shared = EngineConfig(weight_transfer="shared")
     spec = actor_spec(tiny_model_dir, str(tmp_path / "a.log"), "builtin:successor", engine=shared, **rollout)
@@ -53,24 +53,38 @@ def test_tokens_before_and_after_an_inflight_update_match_their_weights(ray_sess
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    named = [(k, v) for k, v in new.state_dict().items()]
+    # Version k holds weights[k % 2]: each attempt swaps to the other set, so "before" and "after" differ.
+    models = [old, new]
+    weights = [ray.put(list(m.state_dict().items())) for m in models]  # in the object store before timing
+    stops = stop_token_ids(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
 
-    request = PromptRequest(prompt_id=1, row={"prompt": "next 3:", "answer": "4"}, min_version=0)
-    group_ref = actor.generate_group.remote(request)
-    time.sleep(0.3)  # let the old weights sample part of the completion
-    ray.get(actor.load_weights.remote(named, 1, "keep"))
-    group = ray.get(group_ref)
+    # How far a fixed delay gets into a generation depends on the machine's speed, so the delay adapts:
+    # a swap that came after the last token halves it, one before the first token doubles it.
+    delay, version, group = 0.3, 0, None
+    for _attempt in range(6):
+        request = PromptRequest(prompt_id=version + 1, row={"prompt": "next 3:", "answer": "4"}, min_version=0)
+        group_ref = actor.generate_group.remote(request)
+        time.sleep(delay)
+        version = ray.get(actor.load_weights.remote(weights[(version + 1) % 2], version + 1, "keep"))
+        group = ray.get(group_ref)
+        seen = {v for traj in group.trajectories for v in traj.policy_versions.tolist()}
+        if all(set(t.policy_versions.tolist()) == {version - 1, version} for t in group.trajectories):
+            break
+        delay = delay / 2 if seen == {version - 1} else delay * 2
+    else:
+        raise AssertionError(f"the update never landed mid-generation (last delay {delay:.3f} s)")
 
     for traj in group.trajectories:
         versions = traj.policy_versions.tolist()
-        assert versions == sorted(versions) and set(versions) == {0, 1}, "the update did not land mid-generation"
-        split = versions.index(1)
+        assert versions == sorted(versions), versions
+        split = versions.index(version)
+        before_model, after_model = models[(version - 1) % 2], models[version % 2]
         prompt, completion = traj.prompt_token_ids.tolist(), traj.completion_token_ids.tolist()
-        stops = stop_token_ids(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
-        lp_old, lp_new = _logprobs(old, prompt, completion, stops), _logprobs(new, prompt, completion, stops)
+        lp_before = _logprobs(before_model, prompt, completion, stops)
+        lp_after = _logprobs(after_model, prompt, completion, stops)
         sampled = traj.sampler_logprobs.tolist()
-        before = max(abs(a - b) for a, b in zip(sampled[:split], lp_old[:split]))
-        after = max(abs(a - b) for a, b in zip(sampled[split:], lp_new[split:]))
+        before = max(abs(a - b) for a, b in zip(sampled[:split], lp_before[:split]))
+        after = max(abs(a - b) for a, b in zip(sampled[split:], lp_after[split:]))
         assert before < 1e-4 and after < 1e-4, (before, after)
         # and the two policies really differ on these tokens
-        assert max(abs(a - b) for a, b in zip(lp_old[split:], lp_new[split:])) > 1e-2
+        assert max(abs(a - b) for a, b in zip(lp_before[split:], lp_after[split:])) > 1e-2
