@@ -19,7 +19,7 @@ from typing import Any
 
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params, turn_params
 from cluster.channel import WeightReceiver
 from cluster.timeline import Spans
 from queues.bounded import QueueClosed
@@ -47,7 +47,7 @@ class BetweenRequests:
     def __init__(self, spec: ActorSpec, clock: PolicyClock, spans: Spans, engine: Any = None):
         self.spec, self.clock, self.spans, self.llm = spec, clock, spans, engine
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-engine")
-        self.pending: list[tuple[PromptRequest, asyncio.Future]] = []  # requests of the next generate call
+        self.pending: list[tuple[Any, Any, asyncio.Future]] = []  # (prompt, params, answer) of the next generate call
         self.calls: set[asyncio.Task] = set()
         self.seed = spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
 
@@ -65,9 +65,25 @@ class BetweenRequests:
     async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:
         """Completions of ``request``, sampled in one generate call with every request made in the same
         turn of the event loop (the rollouts of a batch start together)."""
+        params = request_params(self.spec, request, seed=self.seed + request.seed_offset)
+        out = await self._enqueue(engine_prompt(request), params)
+        version = self.clock.version  # weights change only between calls, and none ran since this one
+        return list(out.prompt_token_ids), [_completion(c, version) for c in out.outputs]
+
+    async def sample(self, prompt_ids: list[int], request: PromptRequest, max_tokens: int, salt: int) -> Completion:
+        """One turn of an episode, batched with the turns and requests made in the same turn of the loop."""
+        from vllm.inputs import TokensPrompt
+
+        seed = self.seed + request.seed_offset * 7919 + salt
+        out = await self._enqueue(
+            TokensPrompt(prompt_token_ids=list(prompt_ids)), turn_params(self.spec, request, max_tokens, seed)
+        )
+        return _completion(out.outputs[0], self.clock.version)
+
+    async def _enqueue(self, prompt, params):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.pending.append((request, future))
+        self.pending.append((prompt, params, future))
         if len(self.pending) == 1:
             loop.call_soon(self._start_call)
         return await future
@@ -77,28 +93,24 @@ class BetweenRequests:
         task.add_done_callback(self.calls.discard)
 
     async def _generate_pending(self) -> None:
-        """One generate call for every pending request; any error reaches every waiting rollout."""
+        """One generate call for every pending prompt; any error reaches every waiting rollout."""
         batch, self.pending = self.pending, []
         try:
-            requests = [request for request, _ in batch]
-            params = [request_params(self.spec, r, seed=self.seed + r.seed_offset) for r in requests]
             outputs = await self.on_engine(
-                self.llm.generate, [engine_prompt(r) for r in requests], params, use_tqdm=False
+                self.llm.generate, [p for p, _, _ in batch], [params for _, params, _ in batch], use_tqdm=False
             )
-            version = self.clock.version  # weights change only between calls
-            results = [(list(out.prompt_token_ids), [_completion(c, version) for c in out.outputs]) for out in outputs]
-            if len(results) != len(batch):
-                raise RuntimeError(f"the engine returned {len(results)} outputs for {len(batch)} prompts")
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"the engine returned {len(outputs)} outputs for {len(batch)} prompts")
         except BaseException as exc:
-            for _, future in batch:
+            for _, _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        for (_, future), result in zip(batch, results, strict=True):
+        for (_, _, future), out in zip(batch, outputs, strict=True):
             if not future.done():
-                future.set_result(result)
+                future.set_result(out)
 
     async def generate_one(self, prompt, params):
         """One finished output for ``prompt`` (checks and tests)."""

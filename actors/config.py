@@ -12,14 +12,16 @@ from schema import Section
 
 DEFAULT_FORMAT_PATTERN = r"\s*<think>.+?</think>\s*\S.*"
 MODEL_PART = "model"  # the reward.functions entry whose scores come from reward.model's actors
+ENVIRONMENT_PART = "environment"  # the entry whose value is an episode's environment reward (multi-turn)
 BY_SOURCE_PART = "by_source"  # the metrics name of a part whose function is chosen per row's data_source
 SOURCE_FIELD = "data_source"  # verl's column naming the data set a row comes from: what by_source keys on
 
 
 class RewardFunctionConfig(Section):
     function: str = Field(
-        description="One part of the reward: 'path/to/file.py:function_name', 'builtin:<name>', or 'model' "
-        "(the reward model of reward.model)."
+        description="One part of the reward: 'path/to/file.py:function_name', 'builtin:<name>', 'model' "
+        "(the reward model of reward.model) or 'environment' (a multi-turn episode's rewards from its environment, "
+        "summed over its turns)."
     )
     weight: float = Field(1.0, description="Weight of this part in the reward (reward = sum of weight x part).")
     name: str | None = Field(
@@ -44,6 +46,10 @@ class RewardFunctionConfig(Section):
     @property
     def is_model(self) -> bool:
         return self.function == MODEL_PART
+
+    @property
+    def is_environment(self) -> bool:
+        return self.function == ENVIRONMENT_PART
 
     @property
     def specs(self) -> list[str]:
@@ -76,7 +82,8 @@ class RewardConfig(Section):
         None,
         description="Reward function as 'path/to/file.py:function_name' (called as fn(prompt, completion, row) "
         "-> float, or fn(prompts, completions, rows) -> list[float] when it has batched = True), or "
-        "'builtin:<name>' (math, format, or a built-in task). Set this or reward.functions.",
+        "'builtin:<name>' (math, format, or a built-in task), or 'environment' (a multi-turn episode's own "
+        "rewards). Set this or reward.functions.",
     )
     functions: list[RewardFunctionConfig] | None = Field(
         None,
@@ -153,6 +160,11 @@ class RewardConfig(Section):
                 raise ValueError(
                     "the reward model ('model') cannot be chosen by data_source; give it its own reward.functions entry"
                 )
+            if part.is_environment or ENVIRONMENT_PART in part.by_source.values():
+                raise ValueError(
+                    "the environment's reward ('environment') cannot be chosen by data_source; give it its own "
+                    "reward.functions entry"
+                )
         models = [p for p in self.parts if p.is_model]
         if len(models) > 1:
             raise ValueError("reward.functions names the reward model ('model') twice; list it once")
@@ -178,7 +190,42 @@ class RewardConfig(Section):
     @property
     def function_parts(self) -> list[RewardFunctionConfig]:
         """The parts computed by functions in the reward workers (all but the reward model)."""
-        return [p for p in self.parts if not p.is_model]
+        return [p for p in self.parts if not p.is_model and not p.is_environment]
+
+    @property
+    def uses_environment(self) -> bool:
+        """Whether a part is the episode's environment reward (multi-turn rollouts only)."""
+        return any(p.is_environment for p in self.parts)
+
+
+class EpisodeConfig(Section):
+    environment: str | None = Field(
+        None,
+        description="The environment of a multi-turn episode, 'path/to/file.py:ClassName' or 'builtin:<name>' "
+        "(lookup): a class with reset(row) -> messages and step(action_text) -> StepResult (actors/environments.py).",
+    )
+    args: dict = Field(default_factory=dict, description="Keyword arguments the environment class is built with.")
+    max_turns: int = Field(4, gt=0, description="Model turns per episode; the episode ends after the last one.")
+    turn_max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Longest model turn, in tokens (default: what is left of the episode budget, rollout.max_tokens).",
+    )
+    tool_format: Literal["hermes"] = Field(
+        "hermes",
+        description="How tool calls are written in the model's text: hermes (Qwen2.5/Qwen3, Hermes, and most "
+        'chat templates\' tool support): <tool_call>{"name": ..., "arguments": {...}}</tool_call>.',
+    )
+    workers: int = Field(
+        2, gt=0, description="Environment worker processes per generation actor; environment steps run there."
+    )
+    step_timeout_s: float = Field(
+        30,
+        gt=0,
+        description="Deadline of one environment step (or reset); past it the episode ends (reason 'timeout') and "
+        "the worker is replaced.",
+    )
+    import_timeout_s: float = Field(60, gt=0, description="Longest time an environment worker may take to start.")
 
 
 class RolloutConfig(Section):
@@ -211,6 +258,13 @@ class RolloutConfig(Section):
     max_inflight_prompts: int = Field(
         16, gt=0, description="Prompts an inflight actor keeps generating at once (continuous batching)."
     )
+    kind: Literal["single_turn", "multi_turn"] = Field(
+        "single_turn",
+        description="single_turn: one completion per sample; multi_turn: an episode of model turns and environment "
+        "(tool) turns, rollout.episode.*; rollout.max_tokens is then the episode's budget after the prompt (model "
+        "and environment tokens).",
+    )
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Multi-turn episodes (rollout.kind).")
 
     @model_validator(mode="after")
     def _sampling_the_learner_can_model(self) -> RolloutConfig:
@@ -221,6 +275,11 @@ class RolloutConfig(Section):
                 f"rollout.top_p = {self.top_p} is not modelled by the learner (it scores the whole softmax(logits / "
                 "T), so the importance ratios of nucleus samples would be wrong); set rollout.top_p=1.0 and use "
                 "rollout.temperature to sharpen sampling"
+            )
+        if self.kind == "multi_turn" and not self.episode.environment:
+            raise ValueError(
+                "rollout.kind = multi_turn needs an environment: set rollout.episode.environment=path/to/env.py:Class "
+                "(or builtin:lookup)"
             )
         return self
 

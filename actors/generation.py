@@ -44,7 +44,7 @@ class GenerationActor:
         self.clock = PolicyClock()  # the policy version loaded, and the time spent on weights
         self.spans = Spans(spec.name, spec.timeline)
         self.engine = WEIGHT_UPDATES[spec.rollout.weight_update](spec, self.clock, self.spans, engine)
-        self.rollout = ROLLOUTS["single_turn"]
+        self.rollout = ROLLOUTS[spec.rollout.kind](spec)  # started with the engine, closed with the loop
         self.builder: GroupBuilder | None = None
 
     async def ready(self) -> dict[str, Any]:
@@ -54,6 +54,7 @@ class GenerationActor:
             steps = self.spec.step_delimiter is not None
             scorer = RewardScorer(self.spec.reward, steps, model_actors=self.spec.reward_model_actors)
             await asyncio.to_thread(scorer.wait_ready)  # a reward that cannot load fails the start, naming it
+            await asyncio.to_thread(self.rollout.start)  # an environment that cannot load fails it too
             tokenizer = self.engine.tokenizer
             decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             self.builder = GroupBuilder(self.spec.name, scorer, decode, self.spec.step_delimiter)
@@ -111,7 +112,8 @@ class GenerationActor:
         try:
             groups = await self.engine.serve(self, prompt_queue, results_queue, channel, timeouts)
         finally:
-            self.builder.close()  # the reward workers end with the loop
+            self.builder.close()  # the reward and environment workers end with the loop
+            self.rollout.close()
         return ActorReport(self.spec.name, groups, self.clock.loads, self.spans.take())
 
     def stats(self) -> dict[str, float]:

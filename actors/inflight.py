@@ -19,7 +19,7 @@ from typing import Any
 from actors.engine_weights import engine_transfer
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, sampling_params
+from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, sampling_params, turn_params
 from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
 from cluster.timeline import Spans
 from queues.bounded import QueueClosed
@@ -53,12 +53,19 @@ class InFlight:
         # for a request that is being recomputed, which is what a weight swap does.
         params = sampling_params(self.spec.rollout, 1, seed=None, stream=True, temperature=request.temperature)
         n = request.samples or self.spec.rollout.group_size
-        streamed = await asyncio.gather(*[self._stream(request, params) for _ in range(n)])
+        streamed = await asyncio.gather(*[self._stream(engine_prompt(request), params) for _ in range(n)])
         return streamed[0][0], [completion for _, completion in streamed]
 
-    async def _stream(self, request: PromptRequest, params) -> tuple[list[int], Completion]:
+    async def sample(self, prompt_ids: list[int], request: PromptRequest, max_tokens: int, salt: int) -> Completion:
+        """One turn of an episode, streamed (weights may change under it, each token tagged)."""
+        from vllm.inputs import TokensPrompt
+
+        params = turn_params(self.spec, request, max_tokens, seed=None, stream=True)
+        return (await self._stream(TokensPrompt(prompt_token_ids=list(prompt_ids)), params))[1]
+
+    async def _stream(self, prompt, params) -> tuple[list[int], Completion]:
         ids, logprobs, prompt_ids, finish, spans = [], [], None, "stop", None
-        async for out in self.llm.generate(engine_prompt(request), params, request_id=uuid.uuid4().hex):
+        async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
             prompt_ids = prompt_ids or list(out.prompt_token_ids)
             delta = out.outputs[0]
             new = list(delta.token_ids)

@@ -43,8 +43,11 @@ class RewardScorer:
         parts = cfg.parts
         self.names = [p.part_name for p in parts]
         self.weights = [p.weight for p in parts]
-        self.function_index = [i for i, p in enumerate(parts) if not p.is_model]  # pool order -> part index
+        self.function_index = [  # pool order -> part index
+            i for i, p in enumerate(parts) if not p.is_model and not p.is_environment
+        ]
         self.model_index = next((i for i, p in enumerate(parts) if p.is_model), None)
+        self.environment_index = next((i for i, p in enumerate(parts) if p.is_environment), None)
         self.pool = pool or (RewardPool(cfg, steps) if self.function_index else None)
         if model is None and self.model_index is not None:
             model = RewardModelClient(list(model_actors), cfg.timeout_s)
@@ -98,6 +101,17 @@ class RewardScorer:
             steps = None if steps is None else [self.weights[0] * v for v in steps]
             out.append(Scored(reward, dict(zip(self.names, values)), steps, error))
         return out
+
+    def with_environment(self, scored: Scored, episode: dict | None) -> Scored:
+        """``scored`` with the ``environment`` part's value: the episode's summed turn rewards (its steps,
+        under process supervision, are the turns' rewards)."""
+        if self.environment_index is None or episode is None:
+            return scored
+        i, value = self.environment_index, float(episode["environment_reward"])
+        parts = dict(scored.parts)
+        parts[self.names[i]] = value
+        steps = [self.weights[i] * r for r in episode["turn_rewards"]]
+        return Scored(scored.reward + self.weights[i] * value, parts, steps, scored.error)
 
     def close(self) -> None:
         if self.pool is not None:

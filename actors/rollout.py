@@ -6,9 +6,9 @@ tokens are trained: the policy's own), the sampler's log-probs and the policy ve
 token. The generation actor (``actors/generation.py``) runs rollouts; the reward, the group and
 the results queue come after.
 
-Single-turn is the one rollout now: the prompt, then G completions sampled whole, every token
-trained. A multi-turn episode is another rollout: it calls the engine once a turn and masks out
-what a tool returned.
+``rollout.kind`` chooses one from ``ROLLOUTS``: ``single_turn`` (the prompt, then G completions
+sampled whole, every token trained) or ``multi_turn`` (``actors/episode.py``: G episodes, the engine
+called once a turn, what the environment returned masked out).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Sample:
     versions: list[int]  # policy version that produced each token
     finish_reason: str  # "stop" | "length"
     text: str  # decoded completion, special tokens skipped
+    episode: dict | None = None  # a multi-turn episode's turns and counts (actors/episode.py)
 
 
 class Engine(Protocol):
@@ -51,6 +52,10 @@ class Engine(Protocol):
 
     async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:
         """The prompt's token ids and its completions (``request.samples`` or the group size of them)."""
+
+    async def sample(self, prompt_ids: list[int], request: PromptRequest, max_tokens: int, salt: int) -> Completion:
+        """One completion of ``prompt_ids`` (an episode's turn), at most ``max_tokens``, sampled as ``request``
+        says (its temperature); ``salt`` varies its seed within the request."""
 
 
 async def single_turn(request: PromptRequest, engine: Engine) -> list[Sample]:
@@ -63,5 +68,27 @@ async def single_turn(request: PromptRequest, engine: Engine) -> list[Sample]:
     ]
 
 
+class SingleTurn:
+    """The ``single_turn`` rollout: nothing to start or close."""
+
+    def __init__(self, spec=None):
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def __call__(self, request: PromptRequest, engine: Engine) -> list[Sample]:
+        return await single_turn(request, engine)
+
+
+def _multi_turn(spec):
+    from actors.episode import MultiTurn  # its environment workers are started by the actor that uses it
+
+    return MultiTurn(spec)
+
+
 Rollout = Callable[[PromptRequest, Engine], Awaitable[list[Sample]]]
-ROLLOUTS: dict[str, Rollout] = {"single_turn": single_turn}  # by name; multi-turn episodes join here
+ROLLOUTS: dict[str, Callable] = {"single_turn": SingleTurn, "multi_turn": _multi_turn}  # rollout.kind -> factory

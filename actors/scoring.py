@@ -65,7 +65,8 @@ class GroupBuilder:
         previous group (it rides to the learner's step metrics)."""
         trajectories, errors, first_error = [], 0, None
         for s, scored in zip(samples, scores, strict=True):
-            reward, steps, ends, error = self._steps(scored, s.token_ids)
+            scored = self.scorer.with_environment(scored, s.episode)
+            reward, steps, ends, error = self._steps(scored, s.token_ids, s.episode)
             if error is not None:
                 errors += 1
                 first_error = first_error or error
@@ -82,6 +83,7 @@ class GroupBuilder:
                     step_rewards=None if steps is None else np.asarray(steps, dtype=np.float32),
                     step_end_tokens=None if ends is None else np.asarray(ends, dtype=np.int32),
                     reward_parts=scored.parts,
+                    episode=s.episode,
                 )
             )
         if first_error:
@@ -100,10 +102,13 @@ class GroupBuilder:
             purpose=request.purpose,  # evaluation groups are routed out of the training batch
         )
 
-    def _steps(self, scored: Scored, ids: list[int]):
-        """``(reward, step_rewards, step_end_tokens, error)``; steps only for process supervision."""
+    def _steps(self, scored: Scored, ids: list[int], episode: dict | None = None):
+        """``(reward, step_rewards, step_end_tokens, error)``; steps only for process supervision (an
+        episode's steps are its model turns, rewarded by the environment)."""
         if self.step_delimiter is None:
             return scored.reward, None, None, scored.error
+        if episode is not None:
+            return scored.reward, scored.steps or [], episode["turn_ends"], scored.error
         if scored.error is None and scored.steps is None:  # a single score: one step, ending at the last token
             return scored.reward, [scored.reward], [len(ids) - 1], None
         steps, error = scored.steps, scored.error

@@ -85,11 +85,16 @@ def whole_prompt_prefill(engine: EngineConfig) -> dict[str, Any]:
 
 
 def sampling_params(
-    rollout: RolloutConfig, n: int, seed: int | None = None, stream: bool = False, temperature: float | None = None
+    rollout: RolloutConfig,
+    n: int,
+    seed: int | None = None,
+    stream: bool = False,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
 ):
     """``n`` samples per prompt with the sampled tokens' logprobs; ``seed`` makes them reproducible
     per prompt; ``stream`` returns tokens as they are produced (the in-flight actor); ``temperature``
-    overrides the rollout's (evaluation; 0 is greedy).
+    overrides the rollout's (evaluation; 0 is greedy); ``max_tokens`` the rollout's (an episode's turn).
 
     The engine returns token ids only: the actors decode each finished completion once with the
     tokenizer (``decode_completions``). vLLM's incremental detokenizer runs per token per sequence in
@@ -97,10 +102,11 @@ def sampling_params(
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    max_tokens = rollout.max_tokens if max_tokens is None else max_tokens
     return SamplingParams(
         n=n,
-        max_tokens=rollout.max_tokens,
-        min_tokens=rollout.min_tokens,
+        max_tokens=max_tokens,
+        min_tokens=min(rollout.min_tokens, max_tokens),
         temperature=rollout.temperature if temperature is None else temperature,
         top_p=rollout.top_p,
         logprobs=0,  # the sampled token's logprob
@@ -129,6 +135,13 @@ def request_params(spec: ActorSpec, request: PromptRequest, seed: int | None, st
     """Sampling parameters of one request: ``group_size`` samples, or the evaluation's own count and temperature."""
     n = request.samples or spec.rollout.group_size
     return sampling_params(spec.rollout, n, seed=seed, stream=stream, temperature=request.temperature)
+
+
+def turn_params(spec: ActorSpec, request: PromptRequest, max_tokens: int, seed: int | None, stream: bool = False):
+    """Sampling parameters of one turn of an episode: one sample of at most ``max_tokens``."""
+    return sampling_params(
+        spec.rollout, 1, seed=seed, stream=stream, temperature=request.temperature, max_tokens=max_tokens
+    )
 
 
 def ready_report(spec: ActorSpec, version: int, tensor_parallel: int) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.arith_task import arith_reward, arith_rows
+from actors.lookup_task import lookup_reward, lookup_rows
 
 DIGITS = "0123456789"
 
@@ -247,6 +248,17 @@ BUILTIN_TASKS: dict[str, Task] = {
         doc=(
             "Multi-step addition answered in \\boxed{} ('7+4+3' -> '7+4=11\\n11+3=14\\n\\boxed{14}'), for a "
             "supervised warm-start then GRPO with builtin:math (the math example, actors/arith_task.py)."
+        ),
+        recommended=dict(RECOMMENDED, max_tokens=160, prompts_per_step=16, steps=60),
+    ),
+    "lookup": Task(
+        name="lookup",
+        make_rows=lookup_rows,
+        reward=lookup_reward,
+        doc=(
+            "The code of a key, known only by calling the lookup tool ('code of k37?' -> a tool call -> '512'): "
+            "multi-turn episodes with rollout.episode.environment=builtin:lookup (the tools example, "
+            "actors/lookup_task.py)."
         ),
         recommended=dict(RECOMMENDED, max_tokens=160, prompts_per_step=16, steps=60),
     ),

@@ -178,6 +178,17 @@ class TandemConfig(Section):
                 f"algorithm.name = {algo.name} scores every reasoning step with one reward function; set "
                 "reward.function, not a weighted sum in reward.functions"
             )
+        episodes = self.rollout.kind == "multi_turn"
+        if self.reward.uses_environment and not episodes:
+            raise ValueError(
+                "reward part 'environment' is an episode's own reward, and rollout.kind is single_turn; set "
+                "rollout.kind=multi_turn with rollout.episode.environment, or use a reward function"
+            )
+        if episodes and algo.method.per_step_rewards and self.reward.function != "environment":
+            raise ValueError(
+                f"algorithm.name = {algo.name} rewards each turn of an episode with the environment's reward of "
+                "that turn; set reward.function=environment"
+            )
         if algo.shaping.soft_overlong and algo.shaping.soft_overlong.cache_len >= self.rollout.max_tokens:
             raise ValueError(
                 f"algorithm.shaping.soft_overlong.cache_len = {algo.shaping.soft_overlong.cache_len} must be below "

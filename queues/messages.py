@@ -49,6 +49,7 @@ class Trajectory:
     step_rewards: np.ndarray | None = None  # float32 [S] process supervision: one reward per reasoning step
     step_end_tokens: np.ndarray | None = None  # int32 [S] completion index of the token that ends each step
     reward_parts: dict[str, float] | None = None  # raw value of each reward part by name (reward = weighted sum)
+    episode: dict | None = None  # multi-turn: turns, end reason, tool calls/errors, environment time and rewards
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,273 @@
+"""Environment worker processes: episodes' environments run here, off the engine, each step with a deadline.
+
+An environment is user code that may be slow, hang, crash or print anything: like a reward function it
+must not run in the actor's process (the engine, the event loop). ``EnvironmentPool`` starts
+``rollout.episode.workers`` processes (``spawn``: nothing of the engine is inherited); each loads the
+environment class once and holds the environments of the episodes given to it, one instance per
+episode, answering one ``reset`` or ``step`` at a time. An episode stays on its worker (its state lives
+there); episodes are spread over the workers by how many each holds.
+
+Every wait has a deadline (``rollout.episode``): a worker must start within ``import_timeout_s``; a
+``reset`` or ``step`` must be answered within ``step_timeout_s``, else that worker (and its process
+group) is killed and replaced: the episode that waited ends with reason ``timeout``, the other episodes
+it held end at their next step with reason ``lost``. An environment that raises or answers something
+that is not a ``StepResult`` ends its episode with reason ``error``. No failure reaches the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from actors.config import EpisodeConfig
+
+KILL_GRACE_S = 5.0
+PARENT_CHECK_S = 1.0
+
+
+class EnvironmentSpecError(ValueError):
+    """``rollout.episode.environment`` names no environment that can be loaded."""
+
+
+def load_environment_class(spec: str) -> type:
+    """``'path/to/file.py:ClassName'`` or ``'builtin:<name>'`` to the class."""
+    if spec.startswith("builtin:"):
+        from actors.lookup_task import BUILTIN_ENVIRONMENTS
+
+        name = spec.removeprefix("builtin:")
+        if name not in BUILTIN_ENVIRONMENTS:
+            raise EnvironmentSpecError(
+                f"rollout.episode.environment {spec!r}: no built-in environment {name!r}; built-in: "
+                f"{', '.join(sorted(BUILTIN_ENVIRONMENTS))}"
+            )
+        return BUILTIN_ENVIRONMENTS[name]
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise EnvironmentSpecError(
+            f"rollout.episode.environment {spec!r} must be 'path/to/file.py:ClassName' or 'builtin:<name>'"
+        )
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise EnvironmentSpecError(
+            f"rollout.episode.environment file {path} does not exist; check the path before ':' (a relative path "
+            "is taken from the directory tandem runs in)"
+        )
+    module_name = f"tandem_env_{abs(hash(str(path)))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise EnvironmentSpecError(f"environment file {path} failed to import: {type(exc).__name__}: {exc}") from None
+    cls = getattr(module, name, None)
+    if (
+        not isinstance(cls, type)
+        or not callable(getattr(cls, "reset", None))
+        or not callable(getattr(cls, "step", None))
+    ):
+        raise EnvironmentSpecError(f"{path} has no class {name!r} with reset(row) and step(action_text) methods")
+    return cls
+
+
+def worker_main(conn, cfg: EpisodeConfig, parent_pid: int) -> None:
+    """Load the environment class, then answer ``(op, episode, payload)`` until told to stop (``None``)."""
+    from actors.environments import StepResult, tool_schema
+
+    os.setsid()  # its own process group: a kill on a timeout takes whatever the environment started
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        cls = load_environment_class(cfg.environment)
+    except Exception as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    episodes: dict[int, Any] = {}
+    while True:
+        try:
+            call = conn.recv()
+        except (EOFError, OSError):
+            return
+        if call is None:
+            return
+        op, episode, payload = call
+        try:
+            if op == "reset":
+                env = cls(**cfg.args)
+                if hasattr(env, "tool_format"):
+                    env.tool_format = cfg.tool_format
+                episodes[episode] = env
+                messages = env.reset(payload)
+                tools = [tool_schema(fn) for fn in getattr(env, "tools", None) or []]
+                conn.send(("ok", (list(messages), tools)))
+            elif op == "step":
+                result = episodes[episode].step(payload)
+                if not isinstance(result, StepResult):
+                    raise TypeError(f"step() returned {type(result).__name__}, not a StepResult")
+                result.messages()  # an observation that is neither text nor messages fails here
+                conn.send(("ok", asdict(result)))
+            else:  # close
+                episodes.pop(episode, None)
+                conn.send(("ok", None))
+        except Exception as exc:
+            episodes.pop(episode, None)
+            conn.send(("error", f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent_pid:
+            os._exit(0)
+
+
+class EpisodeEnded(Exception):
+    """The environment cannot go on: ``reason`` is ``timeout``, ``error`` or ``lost``; ``detail`` says why."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+class _Worker:
+    def __init__(self, ctx, cfg: EpisodeConfig):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, cfg, os.getpid()), name="tandem-env-worker")
+        self.proc.start()
+        child.close()
+        self.lock = asyncio.Lock()  # one request at a time on the pipe
+        self.episodes: set[int] = set()
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if self.ready:
+            return
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(
+                f"an environment worker did not start within {timeout_s:g} s (rollout.episode.import_timeout_s)"
+            )
+        kind, payload = self.conn.recv()
+        if kind == "failed":
+            raise RuntimeError(f"an environment worker could not load the environment: {payload}")
+        self.ready = True
+
+    def request(self, call: tuple, timeout_s: float, import_timeout_s: float):
+        """The answer, or None when none came within ``timeout_s`` (the worker must then be killed)."""
+        self.wait_ready(import_timeout_s)  # a replacement worker answers its first request once loaded
+        self.conn.send(call)
+        if not self.conn.poll(timeout_s):
+            return None
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        if self.proc.exitcode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+            self.proc.join(KILL_GRACE_S)
+        self.conn.close()
+
+
+class EnvironmentPool:
+    """``cfg.workers`` environment workers shared by the episodes of one generation actor."""
+
+    def __init__(self, cfg: EpisodeConfig):
+        self.cfg = cfg
+        self._ctx = multiprocessing.get_context("spawn")
+        self.workers = [_Worker(self._ctx, cfg) for _ in range(cfg.workers)]
+        self._where: dict[int, _Worker] = {}
+        self._ids = itertools.count()
+        self.replaced = 0
+
+    def wait_ready(self) -> None:
+        for worker in self.workers:
+            try:
+                worker.wait_ready(self.cfg.import_timeout_s)
+            except (EOFError, OSError) as exc:
+                self.close()
+                raise RuntimeError(f"an environment worker died while starting ({exc})") from None
+            except RuntimeError:
+                self.close()
+                raise
+
+    async def reset(self, row: dict) -> tuple[int, list[dict], list[dict]]:
+        """A new episode: its id, its first messages and its tools' schemas."""
+        episode = next(self._ids)
+        worker = min(self.workers, key=lambda w: len(w.episodes))
+        worker.episodes.add(episode)
+        self._where[episode] = worker
+        messages, tools = await self._call(episode, "reset", row)
+        return episode, messages, tools
+
+    async def step(self, episode: int, action_text: str):
+        from actors.environments import StepResult
+
+        return StepResult(**await self._call(episode, "step", action_text))
+
+    async def close_episode(self, episode: int) -> None:
+        worker = self._where.pop(episode, None)
+        if worker is None or worker not in self.workers:
+            return
+        worker.episodes.discard(episode)
+        try:
+            await self._call_on(worker, episode, "close", None)
+        except EpisodeEnded:
+            pass
+
+    async def _call(self, episode: int, op: str, payload):
+        worker = self._where.get(episode)
+        if worker is None or worker not in self.workers:
+            raise EpisodeEnded("lost", "its environment worker was replaced after another episode's step timed out")
+        return await self._call_on(worker, episode, op, payload)
+
+    async def _call_on(self, worker: _Worker, episode: int, op: str, payload):
+        async with worker.lock:
+            if worker not in self.workers:
+                raise EpisodeEnded("lost", "its environment worker was replaced after another episode's step timed out")
+            try:
+                answer = await asyncio.to_thread(
+                    worker.request, (op, episode, payload), self.cfg.step_timeout_s, self.cfg.import_timeout_s
+                )
+            except RuntimeError as exc:
+                self._replace(worker)
+                raise EpisodeEnded("error", str(exc)) from None
+            except (EOFError, OSError) as exc:
+                self._replace(worker)
+                raise EpisodeEnded("error", f"the environment worker died during {op} ({type(exc).__name__})") from None
+            if answer is None:
+                self._replace(worker)
+                raise EpisodeEnded(
+                    "timeout", f"{op} took longer than rollout.episode.step_timeout_s = {self.cfg.step_timeout_s:g} s"
+                )
+        kind, value = answer
+        if kind == "error":
+            raise EpisodeEnded("error", value)
+        return value
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        index = self.workers.index(worker)
+        self.workers[index] = _Worker(self._ctx, self.cfg)  # ready when it answers its first request
+        self.replaced += 1
+        print(f"[environment] a worker was replaced ({self.replaced} so far)", flush=True)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            try:
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for worker in self.workers:
+            worker.proc.join(1.0)
+            worker.kill()
