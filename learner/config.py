@@ -123,7 +123,12 @@ class TISConfig(Section):
 class EstimatorConfig(Section):
     """How returns and advantages are computed from the rewards."""
 
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (REINFORCE, PPO).")
+    discount: Literal["token", "turn"] = Field(
+        "token",
+        description="What gamma discounts: each token, or each turn of a multi-turn episode (a reward k model turns "
+        "later counts gamma^k; environment tokens are skipped either way).",
+    )
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
     advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in GRPO advantages.")
     whiten_advantages: bool = Field(False, description="Whiten advantages over the batch (masked).")
@@ -185,7 +190,10 @@ class FilteringConfig(Section):
 
 # Where each key of the flat algorithm section of configs written before the groups went: still read.
 REGROUPED = {
-    **{k: ("estimator", k) for k in ("gamma", "lam", "advantage_eps", "whiten_advantages", "step_delimiter")},
+    **{
+        k: ("estimator", k)
+        for k in ("gamma", "discount", "lam", "advantage_eps", "whiten_advantages", "step_delimiter")
+    },
     "loss_aggregation": ("loss", "aggregation"),
     **{k: ("loss", k) for k in ("clip_eps_low", "clip_eps_high", "dual_clip", "epochs", "minibatches")},
     **{

@@ -30,6 +30,7 @@ from learner.algorithms import (
     normalise_step_rewards,
     reward_to_go,
     step_moments,
+    turn_discounts,
 )
 
 PerSequence = dict[str, Tensor]  # name -> [n] (rank side) or [N] (driver side)
@@ -84,16 +85,20 @@ class ReinforceBaseline:
     """REINFORCE with the batch-mean return as baseline: ``A_t = G_t - mean_i G_{i,0}``."""
 
     gamma: float
+    per_turn: bool = False  # gamma discounts each turn of an episode, not each token
+
+    def discounts(self, tokens: TokenRewards) -> float | Tensor:
+        return turn_discounts(tokens.sequence, self.gamma) if self.per_turn else self.gamma
 
     def summarise(self, tokens: TokenRewards) -> PerSequence:
-        return {"return": reward_to_go(tokens.rewards, tokens.sequence, self.gamma)[:, 0]}  # G_{i,0}
+        return {"return": reward_to_go(tokens.rewards, tokens.sequence, self.discounts(tokens))[:, 0]}  # G_{i,0}
 
     def reduce(self, sums: PerSequence, group_size: int) -> PerSequence:
         returns = sums["return"]
         return {"baseline": returns.mean().expand_as(returns)}  # b = mean_i G_{i,0}, on every row
 
     def expand(self, tokens: TokenRewards, per_sequence: PerSequence) -> tuple[Tensor, Tensor | None]:
-        to_go = reward_to_go(tokens.rewards, tokens.sequence, self.gamma)  # G_t over the whole completion
+        to_go = reward_to_go(tokens.rewards, tokens.sequence, self.discounts(tokens))  # G_t over the completion
         return (to_go - per_sequence["baseline"].unsqueeze(-1)) * tokens.mask, None  # A_t = G_t - b, trained only
 
 
@@ -103,6 +108,7 @@ class GeneralizedAdvantage:
 
     gamma: float
     lam: float
+    per_turn: bool = False  # gamma discounts each turn of an episode, not each token
 
     def summarise(self, tokens: TokenRewards) -> PerSequence:
         return {}
@@ -111,7 +117,8 @@ class GeneralizedAdvantage:
         return {}
 
     def expand(self, tokens: TokenRewards, per_sequence: PerSequence) -> tuple[Tensor, Tensor | None]:
-        return gae(tokens.rewards, tokens.values, tokens.mask, self.gamma, self.lam)  # (A_t, R_t = V_t + A_t)
+        gamma = turn_discounts(tokens.sequence, self.gamma) if self.per_turn else self.gamma
+        return gae(tokens.rewards, tokens.values, tokens.mask, gamma, self.lam)  # (A_t, R_t = V_t + A_t)
 
 
 @dataclass(frozen=True)

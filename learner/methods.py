@@ -61,7 +61,12 @@ def _grpo(a: AlgorithmConfig) -> AdvantageEstimator:
 
 
 METHODS: dict[str, Method] = {
-    "reinforce": Method(lambda a: ReinforceBaseline(a.estimator.gamma), vanilla_pg_loss, "token_mean", clip=None),
+    "reinforce": Method(
+        lambda a: ReinforceBaseline(a.estimator.gamma, a.estimator.discount == "turn"),
+        vanilla_pg_loss,
+        "token_mean",
+        clip=None,
+    ),
     "rloo": Method(lambda a: GroupOutcome(rloo_advantages), ppo_clip_loss, "token_mean", dual_clip=True),
     "grpo": Method(_grpo, ppo_clip_loss, "token_mean", dual_clip=True),
     "grpo_process": Method(
@@ -75,7 +80,7 @@ METHODS: dict[str, Method] = {
     "gspo": Method(_grpo, gspo_loss, "seq_mean", clip=(3e-4, 4e-4)),
     "cispo": Method(_grpo, cispo_loss, "token_mean", clip=(1.0, 0.2)),
     "ppo": Method(
-        lambda a: GeneralizedAdvantage(a.estimator.gamma, a.estimator.lam),
+        lambda a: GeneralizedAdvantage(a.estimator.gamma, a.estimator.lam, a.estimator.discount == "turn"),
         ppo_clip_loss,
         "token_mean",
         dual_clip=True,

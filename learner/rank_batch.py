@@ -55,8 +55,11 @@ class RankBatch:
         self.table: dict[str, Tensor] = {
             "completion_mask": self.spread(self.tokens.completion_mask.astype(np.float32)),
             "sampler_logprobs": self.spread(self.tokens.sampler_logprobs),
-            # every sampled token, trained or not: where the sequence's reward and its KL are counted
-            "completion_tokens": self.valid.float(),
+            # every token the model sampled, trained or not (not an episode's environment tokens): where
+            # the sequence's reward and its KL are counted, and the steps of its returns
+            "completion_tokens": self.valid.float()
+            if self.tokens.model_mask is None
+            else self.spread(self.tokens.model_mask.astype(np.float32)),
         }
         self.normalisers, self.epochs = shard.normalisers, shard.epochs
         self.minibatches: list[list[PackedInputs]] = []

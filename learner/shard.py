@@ -38,6 +38,7 @@ class TokenShard:
     step_rewards: np.ndarray | None = None  # float32 [sum_i s_i], process supervision: one per step
     step_ends: np.ndarray | None = None  # int32 [sum_i s_i], completion index of the token ending each step
     step_offsets: np.ndarray | None = None  # int64 [n + 1]
+    model_mask: np.ndarray | None = None  # uint8 [sum_i c_i] 1 on the model's tokens (episodes); None: all
 
     @property
     def n(self) -> int:
@@ -61,6 +62,14 @@ class TokenShard:
             sampler_logprobs=_flat([t.sampler_logprobs for t in trajectories], np.float32),
             rewards=np.asarray(rewards, dtype=np.float32),
         )
+        if any(t.model_mask is not None for t in trajectories):  # an episode: environment tokens are not steps
+            shard.model_mask = _flat(
+                [
+                    t.model_mask if t.model_mask is not None else np.ones(len(t.completion_token_ids))
+                    for t in trajectories
+                ],
+                np.uint8,
+            )
         if steps:
             step_rewards = [t.step_rewards if t.step_rewards is not None else [] for t in trajectories]
             shard.step_rewards = _flat(step_rewards, np.float32)

@@ -50,6 +50,8 @@ class Trajectory:
     step_end_tokens: np.ndarray | None = None  # int32 [S] completion index of the token that ends each step
     reward_parts: dict[str, float] | None = None  # raw value of each reward part by name (reward = weighted sum)
     episode: dict | None = None  # multi-turn: turns, end reason, tool calls/errors, environment time and rewards
+    model_mask: np.ndarray | None = None  # uint8 [C] multi-turn: 1 on the model's tokens, 0 on the environment's
+    # (kept when completion_mask is zeroed by overlong filtering; None: every token is the model's)
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from learner.algorithms.advantages import (
     reward_to_go,
     rloo_advantages,
     step_moments,
+    turn_discounts,
     update_running_moments,
     whiten,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "rloo_advantages",
     "soft_overlong_penalty",
     "step_moments",
+    "turn_discounts",
     "token_weights",
     "truncation_penalty",
     "update_running_moments",

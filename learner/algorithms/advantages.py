@@ -37,54 +37,93 @@ def _zero_padding(x: Tensor, mask: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """Discounted reward-to-go ``G_t = sum_{k >= t} gamma^(k-t) r_k`` within each sequence.
+def turn_discounts(mask: Tensor, gamma: float) -> Tensor:
+    """Per-step discounts that discount across the turns of an episode, not across its tokens.
+
+    ``d_t = gamma`` at a model token followed (after environment tokens, mask 0) by another model token of
+    the same sequence: the last token of a turn that is not the episode's last; ``d_t = 1`` elsewhere.
+    With ``reward_to_go`` / ``gae`` (which skip the mask's gaps) a reward ``k`` turns later counts
+    ``gamma^k``: ``G_t = r_t + d_t G_{t'}``, ``t'`` the next model token.
+
+    Args:
+        mask: ``[B, T]`` 1 on the model's tokens, 0 on environment tokens and padding.
+        gamma: discount per turn.
+
+    Returns:
+        ``[B, T]`` discounts (a single-turn sequence: all 1).
+
+    Example: mask ``[1, 1, 0, 0, 1, 0]`` -> ``[1, gamma, 1, 1, 1, 1]``.
+    """
+    m = mask > 0
+    later = torch.flip(torch.cummax(torch.flip(m.int(), [-1]), -1).values, [-1]) > 0  # a model token at or after t
+    after = torch.zeros_like(later)
+    after[:, :-1] = later[:, 1:]  # a model token strictly after t
+    nxt = torch.zeros_like(m)
+    nxt[:, :-1] = m[:, 1:]
+    ends_turn = m & ~nxt & after  # the turn's last token, another turn follows
+    return torch.where(
+        ends_turn, torch.full_like(mask, gamma, dtype=torch.float32), torch.ones_like(mask, dtype=torch.float32)
+    )
+
+
+def _discounts(gamma: float | Tensor, t: int) -> float | Tensor:
+    return gamma[:, t] if isinstance(gamma, Tensor) else gamma
+
+
+def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
+    """Discounted reward-to-go ``G_t = r_t + gamma_t G_{t'}`` within each sequence, ``t'`` the next
+    position of the mask: ``G_t = sum_{k >= t} gamma^(k-t) r_k`` on a contiguous mask.
 
     Args:
         rewards: ``[B, T]`` per-token rewards.
-        mask: ``[B, T]`` completion mask. A masked position ends the sum (sequences are
-            right-padded; anything after a masked slot is not added).
-        gamma: discount factor.
+        mask: ``[B, T]`` the sequence's steps (its completion, or an episode's model tokens). A gap in
+            it (an episode's environment tokens; right padding) is skipped: it adds no reward, takes no
+            discount and gets G = 0.
+        gamma: discount factor, or ``[B, T]`` per-step discounts (``turn_discounts``).
 
     Returns:
-        ``[B, T]`` reward-to-go, zero on padding.
+        ``[B, T]`` reward-to-go, zero off the mask.
     """
     mask = _float_mask(mask, rewards)
     rewards = _zero_padding(rewards, mask)
     returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])  # [B]; G_{t+1}
+    running = torch.zeros_like(rewards[:, 0])  # [B]; G_{t'}
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]  # G_t = r_t + gamma * G_{t+1}
-        returns[:, t] = running
+        step = rewards[:, t] + _discounts(gamma, t) * running  # G_t = r_t + gamma_t G_{t'}
+        running = torch.where(mask[:, t] > 0, step, running)  # a gap passes G_{t'} on unchanged
+        returns[:, t] = running * mask[:, t]
     return returns
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float | Tensor, lam: float) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation over completion tokens.
 
     Args:
         rewards: ``[B, T]`` per-token rewards (e.g. KL-shaped, task reward on the last token).
         values: ``[B, T]`` critic values V(s_t).
-        mask: ``[B, T]`` completion mask; V(s_{t+1}) = 0 past the last real token and no
-            advantage propagates across the end of a sequence or through padding.
-        gamma: discount factor.
+        mask: ``[B, T]`` the steps: V(s_{t'}) = 0 past the last one; a gap (an episode's environment
+            tokens; padding) is skipped, so ``t'`` is the next position of the mask and the gap's
+            advantages and returns are 0.
+        gamma: discount factor, or ``[B, T]`` per-step discounts (``turn_discounts``).
         lam: GAE lambda.
 
     Returns:
-        ``(advantages, returns)``, both ``[B, T]`` and zero on padding;
+        ``(advantages, returns)``, both ``[B, T]`` and zero off the mask;
         ``returns = values + advantages`` (the value-function target).
     """
     mask = _float_mask(mask, rewards)
     rewards = _zero_padding(rewards, mask)
     values = _zero_padding(values, mask)
     advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])  # [B]; V(s_{t+1}), 0 past the end
-    next_advantage = torch.zeros_like(rewards[:, 0])  # [B]; A_{t+1}
+    next_value = torch.zeros_like(rewards[:, 0])  # [B]; V(s_{t'}), 0 past the end
+    next_advantage = torch.zeros_like(rewards[:, 0])  # [B]; A_{t'}
     for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]  # delta_t = r_t + gamma V_{t+1} - V_t
-        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]  # A_t = delta_t + gamma lam A_{t+1}
-        next_value = values[:, t]  # already 0 on padding
-        advantages[:, t] = next_advantage
+        g, on = _discounts(gamma, t), mask[:, t] > 0
+        delta = rewards[:, t] + g * next_value - values[:, t]  # delta_t = r_t + gamma_t V_{t'} - V_t
+        advantage = delta + g * lam * next_advantage  # A_t = delta_t + gamma_t lam A_{t'}
+        next_advantage = torch.where(on, advantage, next_advantage)
+        next_value = torch.where(on, values[:, t], next_value)
+        advantages[:, t] = next_advantage * mask[:, t]
     returns = (values + advantages) * mask  # R_t = V_t + A_t
     return advantages, returns
 

@@ -1,0 +1,60 @@
+"""Returns and advantages of multi-turn episodes, against hand-computed numbers: environment tokens are
+skipped (no reward, no discount, zero advantage), and gamma may discount per turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from learner.algorithms import gae, reward_to_go, turn_discounts
+from learner.config import AlgorithmConfig
+from learner.estimators import ReinforceBaseline, TokenRewards
+
+# one episode: model turn [0, 1], environment [2, 3], model turn [4], padding [5]
+MASK = torch.tensor([[1.0, 1, 0, 0, 1, 0]])
+REWARDS = torch.tensor([[0.0, 0, 9, 9, 1, 0]])  # 9 on environment tokens must never count
+VALUES = torch.tensor([[0.2, 0.4, 7, 7, 0.6, 0]])
+
+
+def test_turn_discounts_discount_at_the_end_of_each_turn_that_another_turn_follows():
+    assert turn_discounts(MASK, 0.5).tolist() == [[1, 0.5, 1, 1, 1, 1]]
+    assert turn_discounts(torch.tensor([[1.0, 1, 1, 0]]), 0.5).tolist() == [[1, 1, 1, 1]]  # one turn
+    two = torch.tensor([[1.0, 0, 1, 0, 0, 1]])
+    assert torch.allclose(turn_discounts(two, 0.9), torch.tensor([[0.9, 1, 0.9, 1, 1, 1]]))
+
+
+def test_reward_to_go_skips_environment_tokens():
+    # per turn: G4 = 1; G1 = 0 + 0.5 * G4 = 0.5; G0 = 0 + 1 * G1 = 0.5
+    per_turn = reward_to_go(REWARDS, MASK, turn_discounts(MASK, 0.5))
+    assert torch.allclose(per_turn, torch.tensor([[0.5, 0.5, 0, 0, 1, 0]]))
+    # per token: the gap is one step, G1 = 0.5, G0 = 0.25
+    per_token = reward_to_go(REWARDS, MASK, 0.5)
+    assert torch.allclose(per_token, torch.tensor([[0.25, 0.5, 0, 0, 1, 0]]))
+    # gamma = 1: the first turn sees the episode's reward
+    assert torch.allclose(reward_to_go(REWARDS, MASK, 1.0), torch.tensor([[1.0, 1, 0, 0, 1, 0]]))
+
+
+def test_gae_skips_environment_tokens_with_per_turn_discounts():
+    # t4: delta = 1 - 0.6 = 0.4, A4 = 0.4
+    # t1: gamma_1 = 0.5: delta = 0.5 * 0.6 - 0.4 = -0.1, A1 = -0.1 + 0.5 * 1 * 0.4 = 0.1
+    # t0: delta = 0.4 - 0.2 = 0.2, A0 = 0.2 + 0.1 = 0.3
+    advantages, returns = gae(REWARDS, VALUES, MASK, turn_discounts(MASK, 0.5), lam=1.0)
+    assert torch.allclose(advantages, torch.tensor([[0.3, 0.1, 0, 0, 0.4, 0]]))
+    assert torch.allclose(returns, torch.tensor([[0.5, 0.5, 0, 0, 1.0, 0]]))  # lam = 1: the Monte Carlo returns
+
+
+def test_a_contiguous_mask_gives_the_returns_it_always_did():
+    rewards, mask = torch.tensor([[0.0, 0, 1, 5]]), torch.tensor([[1.0, 1, 1, 0]])
+    assert torch.allclose(reward_to_go(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1, 0]]))
+    values = torch.tensor([[0.1, 0.2, 0.3, 9]])
+    advantages, _ = gae(rewards, values, mask, 0.5, 0.5)
+    # t2: 1 - 0.3 = 0.7; t1: 0.15 - 0.2 = -0.05 + 0.25 * 0.7 = 0.125; t0: 0.1 - 0.1 = 0 + 0.25 * 0.125
+    assert torch.allclose(advantages, torch.tensor([[0.03125, 0.125, 0.7, 0]]))
+
+
+def test_reinforce_discounts_per_turn_when_configured():
+    algo = AlgorithmConfig(name="reinforce", estimator={"gamma": 0.5, "discount": "turn"})
+    estimator = algo.method.estimator(algo)
+    assert isinstance(estimator, ReinforceBaseline) and estimator.per_turn
+    tokens = TokenRewards(REWARDS, MASK, completion=MASK)
+    assert np.allclose(estimator.summarise(tokens)["return"].numpy(), [0.5])
