@@ -118,8 +118,8 @@ class EpisodeRecord:
 class MultiTurn:
     """The ``multi_turn`` rollout of one generation actor: its environment workers and its episodes."""
 
-    def __init__(self, spec: ActorSpec):
-        self.spec, self.cfg = spec, spec.rollout.episode
+    def __init__(self, spec: ActorSpec, spans=None):
+        self.spec, self.cfg, self.spans = spec, spec.rollout.episode, spans  # spans: the actor's timeline
         self.budget = spec.rollout.max_tokens
         self.pool: EnvironmentPool | None = None
 
@@ -195,10 +195,12 @@ class MultiTurn:
         text = engine.tokenizer.decode(ids, skip_special_tokens=True)
         return Sample(prompt, ids, mask, logprobs, versions, finish, text, episode=record.summary())
 
-    @staticmethod
-    async def _timed(record: EpisodeRecord, call):
-        began = time.monotonic()
+    async def _timed(self, record: EpisodeRecord, call):
+        """``call`` (a reset or a step), its time counted as the environment's and on the timeline."""
+        began, wall = time.monotonic(), time.time()
         try:
             return await call
         finally:
             record.environment_s += time.monotonic() - began
+            if self.spans is not None:
+                self.spans.add("environment", wall, time.time())

@@ -44,7 +44,7 @@ class GenerationActor:
         self.clock = PolicyClock()  # the policy version loaded, and the time spent on weights
         self.spans = Spans(spec.name, spec.timeline)
         self.engine = WEIGHT_UPDATES[spec.rollout.weight_update](spec, self.clock, self.spans, engine)
-        self.rollout = ROLLOUTS[spec.rollout.kind](spec)  # started with the engine, closed with the loop
+        self.rollout = ROLLOUTS[spec.rollout.kind](spec, self.spans)  # started with the engine, closed with the loop
         self.builder: GroupBuilder | None = None
 
     async def ready(self) -> dict[str, Any]:

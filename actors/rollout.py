@@ -71,7 +71,7 @@ async def single_turn(request: PromptRequest, engine: Engine) -> list[Sample]:
 class SingleTurn:
     """The ``single_turn`` rollout: nothing to start or close."""
 
-    def __init__(self, spec=None):
+    def __init__(self, spec=None, spans=None):
         pass
 
     def start(self) -> None:
@@ -84,10 +84,10 @@ class SingleTurn:
         return await single_turn(request, engine)
 
 
-def _multi_turn(spec):
+def _multi_turn(spec, spans=None):
     from actors.episode import MultiTurn  # its environment workers are started by the actor that uses it
 
-    return MultiTurn(spec)
+    return MultiTurn(spec, spans)
 
 
 Rollout = Callable[[PromptRequest, Engine], Awaitable[list[Sample]]]

@@ -6,6 +6,7 @@ tandem train --resume RUN_DIR [key=value]     continue a run from its newest int
 tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
 tandem eval --model DIR --config F [k=v]      evaluate a saved model on the config's held-out set
 tandem example math [key=value ...]           warm-start a tiny chat model, GRPO with math-verify, eval
+tandem example tools [key=value ...]          warm-start a tiny tool-calling model, multi-turn GRPO, eval
 tandem tiny-model DIR [--chat]                build the tiny test model + tokenizer in DIR (--chat: byte-level, ChatML)
 tandem check-data --config F [-n N] [k=v]     show N prompts as the sampler gets them, their gold/wrong rewards
 tandem config-reference                       print every config key (Markdown)
@@ -186,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the built-in demo (tiny model, built-in task, CPU)")
     demo.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    exm = sub.add_parser("example", help="run a built-in example end to end (math: SFT warm-start, GRPO, eval)")
-    exm.add_argument("name", choices=["math"])
-    exm.add_argument("--sft-steps", type=int, default=600, help="supervised warm-start steps (default 600)")
+    exm = sub.add_parser(
+        "example", help="run a built-in example end to end (math: SFT warm-start, GRPO, eval; tools: multi-turn)"
+    )
+    exm.add_argument("name", choices=["math", "tools"])
+    exm.add_argument("--sft-steps", type=int, help="supervised warm-start steps (default: math 600, tools 300)")
     exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
     tr.add_argument(
@@ -267,9 +270,13 @@ def main(argv: list[str] | None = None) -> int:
             print(export_model(args.run_dir, args.out, args.step, say=lambda t: print(t, file=sys.stderr)))
             return 0
         if args.command == "example":
+            if args.name == "tools":
+                from launch.tools.example_tools import run_tools_example
+
+                return run_tools_example(args.overrides, args.sft_steps or 300)
             from launch.tools.example import run_math_example
 
-            return run_math_example(args.overrides, args.sft_steps)
+            return run_math_example(args.overrides, args.sft_steps or 600)
         if args.command == "eval":
             from launch.tools.evaluate import run_evaluation
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from observe import report_figures as figures
-from observe.run_stats import RunData, load_run, run_summary
+from observe.run_stats import RunData, load_run, read_jsonl, run_summary
 from observe.trace import write_traces
 
 CSS = """
@@ -31,6 +31,8 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.55em; text-align: right; }
 th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; white-space: nowrap; }
 img { max-width: 100%; display: block; margin: 0.5em 0; }
 p.what { color: #444; margin: 0.3em 0; } p.note { color: #8a5a00; font-style: italic; }
+table.episode td { text-align: left; } table.episode pre { margin: 0; white-space: pre-wrap; }
+tr.environment td { background: #f6f0f8; color: #555; } h3 { font-size: 1em; margin-bottom: 0.3em; }
 """
 
 
@@ -44,6 +46,7 @@ class Section:
     text: str
     figure: Figure | None = None
     note: str = ""  # why the figure is missing, or what a run lacks
+    body: str = ""  # HTML shown under the text (the episodes' turns)
 
 
 # (png name, heading, what it shows, the figure; None leaves it out with the note)
@@ -107,6 +110,37 @@ def timeline_sections(runs: list[RunData]) -> list[Section]:
     return sections
 
 
+EPISODES_SHOWN = 3  # episodes of the last step that wrote samples, per run
+EPISODES_TEXT = (
+    "Multi-turn episodes of the last step that wrote samples (samples.jsonl), turn by turn: the model's turns "
+    "(trained) and the environment's (masked out of the loss), each model turn with the environment's reward for it."
+)
+
+
+def episode_sections(runs: list[RunData]) -> list[Section]:
+    """The last step's sample episodes of each run that has any (``samples.jsonl`` records with ``turns``)."""
+    sections = []
+    for run in runs:
+        records = [r for r in read_jsonl(run.path / "samples.jsonl") if r.get("turns")]
+        if not records:
+            continue
+        last = [r for r in records if r["step"] == records[-1]["step"]][:EPISODES_SHOWN]
+        rows = []
+        for record in last:
+            head = f"step {record['step']}, prompt {record['prompt_id']}: reward {record['reward']:.3f}, ended: {record['end']}"
+            rows.append(f"<h3>{html.escape(head)}</h3><table class='episode'>")
+            for turn in record["turns"]:
+                reward = f" (reward {turn['reward']:g})" if turn["role"] == "model" else ""
+                rows.append(
+                    f"<tr class='{turn['role']}'><th>{html.escape(turn['role'] + reward)}</th>"
+                    f"<td><pre>{html.escape(turn['text'][:2000])}</pre></td></tr>"
+                )
+            rows.append("</table>")
+        heading = "Episodes" + (f": {run.name}" if len(runs) > 1 else "")
+        sections.append(Section(f"episodes-{run.name}", heading, EPISODES_TEXT, body="\n".join(rows)))
+    return sections
+
+
 def png_bytes(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100, metadata={"Software": None})  # no URL in the file
@@ -162,6 +196,8 @@ def render_html(runs: list[RunData], sections: list[Section], images: dict[str, 
             data = base64.b64encode(images[section.name]).decode()
             alt = html.escape(f"{section.heading or 'zoom'} ({section.name}.png)")
             parts.append(f"<img src='data:image/png;base64,{data}' alt='{alt}' id='{section.name}'>")
+        if section.body:
+            parts.append(section.body)
         if section.note:
             parts.append(f"<p class='note'>{html.escape(section.note)}</p>")
     parts.append("</body></html>\n")
@@ -174,7 +210,7 @@ def run_report(run_dirs: list[str], out: str | None, trace: bool) -> int:
     runs = [load_run(path) for path in run_dirs]  # ConfigError names a directory that is not a run
     out_dir = Path(out) if out else runs[0].path / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
-    sections = curve_sections(runs) + timeline_sections(runs)
+    sections = curve_sections(runs) + timeline_sections(runs) + episode_sections(runs)
     images = {s.name: png_bytes(s.figure) for s in sections if s.figure is not None}
     written = []
     for name, data in images.items():

@@ -35,6 +35,7 @@ TIS_KEYS = {
 }
 KIND_COLOURS = {
     "generate": "#2ca02c",
+    "environment": "#e377c2",  # multi-turn episodes: resets and steps in the environment workers
     "load_weights": "#9467bd",
     "wait_weights": "#d62728",
     "wait_prompts": "#7f7f7f",

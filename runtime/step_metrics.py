@@ -29,6 +29,7 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / n,
         "reward_errors": sum(g.reward_errors for g in batch.groups),
         **reward_part_means(trajs),
+        **episode_metrics(trajs),
         "staleness_mean": sum(int(s) * c for s, c in batch.staleness.items()) / max(tokens, 1),
         "staleness_max": max(batch.staleness, default=0),
         "staleness_hist": hist,
@@ -82,6 +83,25 @@ def reward_part_means(trajs: list) -> dict[str, float]:
     return {f"reward/{name}": sum(v) / len(v) for name, v in values.items()}
 
 
+def episode_metrics(trajs: list) -> dict[str, float]:
+    """``episode/...`` of multi-turn steps: model turns, tool calls and tool errors per episode, the share
+    of episodes each end reason ended, and the share of an episode's wall time spent in its environment."""
+    episodes = [t.episode for t in trajs if t.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {
+        "episode/turns_mean": sum(e["model_turns"] for e in episodes) / n,
+        "episode/tool_calls_mean": sum(e["tool_calls"] for e in episodes) / n,
+        "episode/tool_errors_mean": sum(e["tool_errors"] for e in episodes) / n,
+        "episode/environment_time_frac": sum(e["environment_s"] for e in episodes)
+        / max(sum(e["environment_s"] + e["generate_s"] for e in episodes), 1e-9),
+    }
+    for end, count in sorted(collections.Counter(e["end"] for e in episodes).items()):
+        out[f"episode/end_{end}_frac"] = count / n
+    return out
+
+
 def sample_records(batch: Batch, step: int, count: int) -> list[dict[str, Any]]:
     """Up to ``count`` completions of the step for ``samples.jsonl``: one from each group in turn."""
     groups, records = batch.groups, []
@@ -101,6 +121,8 @@ def sample_records(batch: Batch, step: int, count: int) -> list[dict[str, Any]]:
                 "policy_version": version,
                 "staleness": step - version,
                 "finish_reason": traj.finish_reason,
+                # an episode turn by turn: model text and environment text apart, and how it ended
+                **({"turns": traj.episode["turns"], "end": traj.episode["end"]} if traj.episode else {}),
             }
         )
     return records
