@@ -127,7 +127,8 @@ def episode_sections(runs: list[RunData]) -> list[Section]:
         last = [r for r in records if r["step"] == records[-1]["step"]][:EPISODES_SHOWN]
         rows = []
         for record in last:
-            head = f"step {record['step']}, prompt {record['prompt_id']}: reward {record['reward']:.3f}, ended: {record['end']}"
+            head = f"step {record['step']}, prompt {record['prompt_id']}: reward {record['reward']:.3f}"
+            head += f", ended: {record['end']}"
             rows.append(f"<h3>{html.escape(head)}</h3><table class='episode'>")
             for turn in record["turns"]:
                 reward = f" (reward {turn['reward']:g})" if turn["role"] == "model" else ""
