@@ -80,6 +80,53 @@ def load_environment_class(spec: str) -> type:
     return cls
 
 
+def _check_main(conn, spec: str) -> None:
+    os.setsid()
+    try:
+        load_environment_class(spec)
+    except Exception as exc:
+        conn.send(str(exc) if isinstance(exc, EnvironmentSpecError) else f"{type(exc).__name__}: {exc}")
+        return
+    conn.send(None)
+
+
+def check_environment(cfg: EpisodeConfig) -> None:
+    """Raise ``EnvironmentSpecError`` (one line) unless ``rollout.episode.environment`` loads: in a child
+    process, within ``import_timeout_s``, so a file that hangs or exits at import cannot take the caller
+    with it (checked before a run starts)."""
+    if cfg.environment is None:
+        return
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_check_main, args=(child, cfg.environment), name="tandem-env-check")
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(cfg.import_timeout_s):
+            raise EnvironmentSpecError(
+                f"rollout.episode.environment {cfg.environment!r} did not finish importing within "
+                f"{cfg.import_timeout_s:g} s (rollout.episode.import_timeout_s); move slow work out of the file's "
+                "top level"
+            )
+        error = parent.recv()
+    except EOFError:
+        proc.join(KILL_GRACE_S)
+        error = (
+            f"rollout.episode.environment {cfg.environment!r}: the file exited while being imported (code "
+            f"{proc.exitcode}); put such code under `if __name__ == '__main__':`"
+        )
+    finally:
+        if proc.exitcode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+        proc.join(KILL_GRACE_S)
+        parent.close()
+    if error:
+        raise EnvironmentSpecError(error)
+
+
 def worker_main(conn, cfg: EpisodeConfig, parent_pid: int) -> None:
     """Load the environment class, then answer ``(op, episode, payload)`` until told to stop (``None``)."""
     from actors.environments import StepResult, tool_schema

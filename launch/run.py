@@ -29,6 +29,7 @@ from runtime.health import SignalWatch
 
 # Errors that are the user's to fix: printed as one line, no traceback.
 def user_errors() -> tuple[type[BaseException], ...]:
+    from actors.env_pool import EnvironmentSpecError
     from actors.rewards import RewardSpecError
     from cluster.channel import WeightsTimeout
     from cluster.dist_channel import WeightPushError
@@ -44,6 +45,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConfigError,
+        EnvironmentSpecError,
         PreflightError,
         CheckpointError,
         RunCannotLearn,
@@ -165,6 +167,7 @@ def run_training(
 
 
 def _run_training(config_path, overrides, resume_dir, result, locks: list, allow_changes: bool) -> int:
+    from actors.env_pool import check_environment
     from actors.rewards import check_rewards
     from launch.build import prepare_model, remove_local_sessions
     from launch.data import load_run_rows
@@ -198,6 +201,8 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     for line in cfg.warnings:
         tell(f"warning: {line}")
     check_rewards(cfg.reward)
+    if cfg.rollout.kind == "multi_turn":
+        check_environment(cfg.rollout.episode)  # a file that is missing, broken, hangs or exits at import
     rows, eval_rows = load_run_rows(cfg, tell)
     model_path = prepare_model(cfg.model)
     rows = preflight(cfg, model_path, rows)

@@ -4,6 +4,7 @@ skipped (no reward, no discount, zero advantage), and gamma may discount per tur
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from learner.algorithms import gae, reward_to_go, turn_discounts
@@ -58,3 +59,50 @@ def test_reinforce_discounts_per_turn_when_configured():
     assert isinstance(estimator, ReinforceBaseline) and estimator.per_turn
     tokens = TokenRewards(REWARDS, MASK, completion=MASK)
     assert np.allclose(estimator.summarise(tokens)["return"].numpy(), [0.5])
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_environment_tokens_change_no_loss_no_gradient_and_no_tis_weight(method, level):
+    """An episode's loss with its environment tokens (mask 0, sampler log-prob 0.0, any learner log-prob
+    and advantage) equals the loss of the same model tokens with the environment's removed: the policy
+    loss, TIS (token and sequence level), the KL term and every aggregation count model tokens only."""
+    from learner.objective import build_objective
+    from learner.rank_batch import CompletionView
+    from learner.shard import Normaliser
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 0, 0, 0, 1, 1], [1.0, 0, 0, 1, 1, 1, 0]])  # two episodes, padding at the end
+    model = mask > 0
+    learner = torch.randn(2, 7) - 2.0
+    learner[~model] = -9.0  # an environment token the policy would never write
+    sampler = torch.where(model, learner.detach() + 0.1 * torch.randn(2, 7), torch.zeros(2, 7))
+    old = torch.where(model, learner.detach() + 0.05 * torch.randn(2, 7), torch.full((2, 7), -9.0))
+    ref = learner.detach() + 0.2
+    advantages = torch.where(model, torch.randn(2, 7), torch.full((2, 7), 50.0))
+    algo = AlgorithmConfig(name=method, tis={"mode": "truncate", "level": level}, kl={"placement": "loss", "beta": 0.1})
+    objective = build_objective(algo, max_tokens=16)
+    normaliser = Normaliser(num_tokens=float(mask.sum()), num_sequences=2.0)
+
+    def loss_of(keep):
+        rows = [keep[i].nonzero().flatten() for i in range(2)]
+        width = max(len(r) for r in rows)
+
+        def pack(x, fill=0.0):
+            out = torch.full((2, width), fill)
+            for i, r in enumerate(rows):
+                out[i, : len(r)] = x[i, r]
+            return out
+
+        lp = pack(learner.detach()).requires_grad_(True)
+        view = CompletionView(pack(mask), pack(sampler), pack(advantages), pack(old), pack(ref))
+        loss, metrics = objective(lp, view, normaliser, 0.1)
+        loss.backward()
+        grads = torch.cat([lp.grad[i, : len(r)] for i, r in enumerate(rows)])
+        return loss.detach(), grads, metrics
+
+    with_env, grad_with, metrics = loss_of(torch.ones_like(model))
+    without, grad_without, _ = loss_of(model)
+    assert torch.allclose(with_env, without, atol=1e-6), (with_env, without)
+    assert torch.allclose(grad_with.view(2, 7)[model], grad_without, atol=1e-6)
+    assert float(grad_with.view(2, 7)[~model].abs().max()) == 0.0

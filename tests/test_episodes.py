@@ -283,3 +283,61 @@ def test_episode_rewards_reach_the_reward_parts():
     )
     assert scored.reward == 2.5 and scored.parts == {"environment": 1.0, "format": 0.5} and scored.steps == [0.0, 2.0]
     assert json.dumps(scored.parts)
+
+
+def test_episode_settings_are_checked_across_sections(tmp_path):
+    from launch.config import load_config
+
+    base = [
+        "model.path=m",
+        "data.prompts=builtin:lookup",
+        "rollout.max_tokens=100",
+    ]
+    with pytest.raises(Exception, match="rollout.kind is single_turn"):
+        load_config(None, [*base, "reward.function=environment"])
+    with pytest.raises(Exception, match="set reward.function=environment"):
+        load_config(
+            None,
+            [
+                *base,
+                "reward.function=builtin:lookup",
+                "rollout.kind=multi_turn",
+                "rollout.episode.environment=builtin:lookup",
+                "algorithm.name=grpo_process",
+            ],
+        )
+    cfg = load_config(
+        None,
+        [*base, "reward.function=environment", "rollout.kind=multi_turn", "rollout.episode.environment=builtin:lookup"],
+    )
+    assert cfg.reward.uses_environment and cfg.reward.function_parts == []
+
+
+def test_the_tools_examples_demonstrations_are_what_the_rollout_builds(tokenizer):
+    from launch.tools.example_tools import demonstration_pairs
+
+    row = lookup_rows(1, seed=9)[0]
+    (p1, call), (p2, answer) = demonstration_pairs(tokenizer, [row])
+    renderer = TurnRenderer(tokenizer, [tool_schema(LookupEnvironment.lookup)])
+    eos = tokenizer.eos_token_id
+    assert p1 == renderer.prompt([{"role": "user", "content": row["prompt"]}])
+    assert tokenizer.decode(call) == tool_call_text("lookup", {"key": row["key"]})
+    assert p2 == p1 + call + [eos] + renderer.delta(call + [eos], [{"role": "tool", "content": row["answer"]}])
+    assert tokenizer.decode(answer) == row["answer"]
+
+
+def test_an_environment_is_checked_before_the_run_in_a_child_process(tmp_path):
+    from actors.env_pool import check_environment
+
+    check_environment(EpisodeConfig(environment="builtin:lookup"))
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(EnvironmentSpecError, match="exited while being imported"):
+        check_environment(EpisodeConfig(environment=f"{tmp_path / 'exits.py'}:Env"))
+    (tmp_path / "hangs.py").write_text("import time\ntime.sleep(600)\n")
+    started = time.monotonic()
+    with pytest.raises(EnvironmentSpecError, match="did not finish importing within 2 s"):
+        check_environment(EpisodeConfig(environment=f"{tmp_path / 'hangs.py'}:Env", import_timeout_s=2))
+    assert time.monotonic() - started < 10
+    (tmp_path / "broken.py").write_text("raise RuntimeError('no database')\n")
+    with pytest.raises(EnvironmentSpecError, match="failed to import: RuntimeError: no database"):
+        check_environment(EpisodeConfig(environment=f"{tmp_path / 'broken.py'}:Env"))

@@ -102,3 +102,50 @@ def test_a_hanging_environment_ends_its_episodes_at_the_deadline_and_the_actor_g
     assert all(t.completion_mask.sum() > 0 for t in group.trajectories)  # the model's first turn is kept
     after = ray.get(actor.generate_group.remote(PromptRequest(3, {"prompt": "count"}, 0)), timeout=120)
     assert [t.episode["end"] for t in after.trajectories] == ["max_turns"] * 3
+
+
+def test_a_weight_swap_mid_episode_is_tagged_on_every_token(episode_actor, tmp_path):
+    """In flight, new weights land while episodes run: the versions never go back, both appear, and each
+    environment delta carries the version of the model token before it."""
+    ray, _, model = episode_actor
+    from actors.generation import GenerationActor
+
+    (tmp_path / "env.py").write_text(ENV)
+    episode = EpisodeConfig(environment=f"{tmp_path / 'env.py'}:Counter", max_turns=3, turn_max_tokens=40)
+    spec = actor_spec(
+        model,
+        str(tmp_path / "actor.log"),
+        "environment",
+        kind="multi_turn",
+        episode=episode,
+        group_size=2,
+        max_tokens=360,
+        min_tokens=40,
+        weight_update="inflight",
+    )
+    actor = ray.remote(GenerationActor).options(**actor_options()).remote(spec)
+    ray.get(actor.ready.remote())
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    named = ray.put(list(weights.items()))
+    delay, version, group = 0.5, 0, None  # the delay adapts to the machine's speed (test_real_inflight.py)
+    for _attempt in range(6):
+        ref = actor.generate_group.remote(PromptRequest(10 + version, {"prompt": "count"}, 0))
+        time.sleep(delay)
+        version = ray.get(actor.load_weights.remote(named, version + 1, "keep"))
+        group = ray.get(ref, timeout=120)
+        seen = [set(t.policy_versions.tolist()) for t in group.trajectories]
+        if any(s == {version - 1, version} for s in seen):
+            break
+        delay = delay / 2 if all(s == {version - 1} for s in seen) else delay * 2
+    else:
+        raise AssertionError("the swap never landed mid-episode")
+    for traj in group.trajectories:
+        versions, mask = traj.policy_versions.tolist(), traj.completion_mask.tolist()
+        assert versions == sorted(versions)
+        for i in range(1, len(mask)):
+            if mask[i] == 0:
+                assert versions[i] == versions[i - 1]  # an environment token: the version before it
+    ray.kill(actor)
