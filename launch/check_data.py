@@ -281,11 +281,17 @@ def _score_rows(cfg: TandemConfig, gold: GoldCompletions, shown: list[dict], fou
     from actors.reward_scorer import RewardScorer
 
     lines: list[list[str]] = [[] for _ in shown]
+    elsewhere = [p for p in cfg.reward.parts if p.is_model or p.is_environment]
+    where = " and ".join(
+        sorted(
+            {"the environment's (it scores episodes)" if p.is_environment else "the reward model's" for p in elsewhere}
+        )
+    )
     if not cfg.reward.function_parts:
-        found.warnings.append("the reward is the reward model alone, which runs on its own actors: not scored here")
+        found.warnings.append(f"the reward is {where} alone, which runs in the actors: not scored here")
         return lines
-    if len(cfg.reward.function_parts) < len(cfg.reward.parts):
-        found.warnings.append("the reward model's part is not scored here (it runs on its own actors): it counts 0")
+    if elsewhere:
+        found.warnings.append(f"{where} part is not scored here (it runs in the actors): it counts 0")
     scorer = RewardScorer(cfg.reward, pool=_InProcessPool(cfg.reward), model=_NoRewardModel())
     many = len(cfg.reward.parts) > 1
     checked = zero = unseparated = 0
