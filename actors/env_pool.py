@@ -11,12 +11,15 @@ Every wait has a deadline (``rollout.episode``): a worker must start within ``im
 ``reset`` or ``step`` must be answered within ``step_timeout_s``, else that worker (and its process
 group) is killed and replaced: the episode that waited ends with reason ``timeout``, the other episodes
 it held end at their next step with reason ``lost``. An environment that raises or answers something
-that is not a ``StepResult`` ends its episode with reason ``error``. No failure reaches the run.
+that is not a ``StepResult`` (a reward that is not a finite number, info that is not a dict, messages
+that are not ``{role, content}`` strings) ends its episode with reason ``error``. No failure of an
+environment's code reaches the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib.util
 import itertools
 import multiprocessing
@@ -80,10 +83,17 @@ def load_environment_class(spec: str) -> type:
     return cls
 
 
-def _check_main(conn, spec: str) -> None:
+def _check_main(conn, spec: str, args: dict) -> None:
     os.setsid()
     try:
-        load_environment_class(spec)
+        cls = load_environment_class(spec)
+        try:
+            cls(**args)
+        except Exception as exc:
+            raise EnvironmentSpecError(
+                f"rollout.episode.environment {spec!r} could not be built with rollout.episode.args {args}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
     except Exception as exc:
         conn.send(str(exc) if isinstance(exc, EnvironmentSpecError) else f"{type(exc).__name__}: {exc}")
         return
@@ -91,14 +101,14 @@ def _check_main(conn, spec: str) -> None:
 
 
 def check_environment(cfg: EpisodeConfig) -> None:
-    """Raise ``EnvironmentSpecError`` (one line) unless ``rollout.episode.environment`` loads: in a child
-    process, within ``import_timeout_s``, so a file that hangs or exits at import cannot take the caller
-    with it (checked before a run starts)."""
+    """Raise ``EnvironmentSpecError`` (one line) unless ``rollout.episode.environment`` loads and one
+    instance can be built from ``rollout.episode.args``: in a child process, within ``import_timeout_s``,
+    so a file that hangs or exits at import cannot take the caller with it (checked before a run starts)."""
     if cfg.environment is None:
         return
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_check_main, args=(child, cfg.environment), name="tandem-env-check")
+    proc = ctx.Process(target=_check_main, args=(child, cfg.environment, cfg.args), name="tandem-env-check")
     proc.start()
     child.close()
     try:
@@ -129,7 +139,7 @@ def check_environment(cfg: EpisodeConfig) -> None:
 
 def worker_main(conn, cfg: EpisodeConfig, parent_pid: int) -> None:
     """Load the environment class, then answer ``(op, episode, payload)`` until told to stop (``None``)."""
-    from actors.environments import StepResult, tool_schema
+    from actors.environments import tool_schema
 
     os.setsid()  # its own process group: a kill on a timeout takes whatever the environment started
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -154,21 +164,46 @@ def worker_main(conn, cfg: EpisodeConfig, parent_pid: int) -> None:
                 if hasattr(env, "tool_format"):
                     env.tool_format = cfg.tool_format
                 episodes[episode] = env
-                messages = env.reset(payload)
+                messages = _messages(env.reset(payload), "reset()")
                 tools = [tool_schema(fn) for fn in getattr(env, "tools", None) or []]
-                conn.send(("ok", (list(messages), tools)))
+                conn.send(("ok", (messages, tools)))
             elif op == "step":
-                result = episodes[episode].step(payload)
-                if not isinstance(result, StepResult):
-                    raise TypeError(f"step() returned {type(result).__name__}, not a StepResult")
-                result.messages()  # an observation that is neither text nor messages fails here
-                conn.send(("ok", asdict(result)))
+                conn.send(("ok", asdict(_checked(episodes[episode].step(payload)))))
             else:  # close
                 episodes.pop(episode, None)
                 conn.send(("ok", None))
         except Exception as exc:
             episodes.pop(episode, None)
             conn.send(("error", f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+
+def _messages(value, where: str) -> list[dict]:
+    """Chat messages, or a ``TypeError`` naming what ``where`` returned instead."""
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        raise TypeError(f"{where} must give a list of {{'role': str, 'content': str}} messages, not {value!r:.120}")
+    return value
+
+
+def _checked(result):
+    """A ``StepResult`` whose fields are what the actor reads (reward a finite number, done a bool, info a
+    dict, the observation text or messages), or a ``TypeError`` that ends the episode."""
+    from actors.environments import StepResult
+
+    if not isinstance(result, StepResult):
+        raise TypeError(f"step() returned {type(result).__name__}, not a StepResult")
+    try:
+        reward = float(result.reward)
+    except (TypeError, ValueError):
+        raise TypeError(f"step() gave the reward {result.reward!r}, not a number") from None
+    if reward != reward or reward in (float("inf"), float("-inf")):
+        raise TypeError(f"step() gave the reward {reward}, not a finite number")
+    if not isinstance(result.info, dict):
+        raise TypeError(f"step() gave info {result.info!r:.80}, not a dict")
+    if not isinstance(result.observation, str):
+        _messages(result.observation, "step()'s observation")
+    return StepResult(result.observation, reward, bool(result.done), result.info)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -217,12 +252,13 @@ class _Worker:
         return self.conn.recv()
 
     def kill(self) -> None:
-        if self.proc.exitcode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+        """The worker and whatever it started (its process group outlives a worker that crashed)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            if self.proc.exitcode is None:
                 self.proc.kill()
-            self.proc.join(KILL_GRACE_S)
+        self.proc.join(KILL_GRACE_S)
         self.conn.close()
 
 
@@ -236,6 +272,8 @@ class EnvironmentPool:
         self._where: dict[int, _Worker] = {}
         self._ids = itertools.count()
         self.replaced = 0
+        self._closed = False
+        atexit.register(self.close)  # non-daemon workers would otherwise hold the interpreter's exit
 
     def wait_ready(self) -> None:
         for worker in self.workers:
@@ -254,7 +292,12 @@ class EnvironmentPool:
         worker = min(self.workers, key=lambda w: len(w.episodes))
         worker.episodes.add(episode)
         self._where[episode] = worker
-        messages, tools = await self._call(episode, "reset", row)
+        try:
+            messages, tools = await self._call(episode, "reset", row)
+        except EpisodeEnded:
+            self._where.pop(episode, None)
+            worker.episodes.discard(episode)
+            raise
         return episode, messages, tools
 
     async def step(self, episode: int, action_text: str):
@@ -310,6 +353,10 @@ class EnvironmentPool:
         print(f"[environment] a worker was replaced ({self.replaced} so far)", flush=True)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         for worker in self.workers:
             try:
                 worker.conn.send(None)

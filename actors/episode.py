@@ -15,10 +15,11 @@ The sample's tokens after the prompt and what each carries::
     versions  sampler's  = previous  sampler's  = previous       sampler's
 
 The episode ends when the environment says ``done``, after ``rollout.episode.max_turns`` model turns,
-when the budget ``rollout.max_tokens`` (model and environment tokens) is spent (finish reason
-``length``), or when the environment fails (reason ``timeout``/``error``/``lost``: the episode is
-kept as it stands and trained on what the model did). The reward part ``environment`` is the sum of
-the environment's turn rewards; the reward functions see the whole transcript.
+when the budget ``rollout.max_tokens`` (model and environment tokens) or the engine's context is
+spent (finish reason ``length``), or when the environment fails (reason ``timeout``/``error``/``lost``:
+the episode stays in its group, with the reward it had, and trains no token). The reward part
+``environment`` is the sum of the environment's turn rewards; the reward functions see the whole
+transcript.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from actors.spec import ActorSpec
 from queues.messages import PromptRequest
 
 PROBE_USER, PROBE_ASSISTANT = "U", "A"  # the stand-in conversation the deltas are measured against
+# What a probe's assistant turn holds, tried in order: plain, then with reasoning (a template that renders
+# the last assistant turn with an empty <think> block, as Qwen3's does, only appends to one that has some).
+PROBE_CONTENTS = (PROBE_ASSISTANT, f"<think>\nR\n</think>\n\n{PROBE_ASSISTANT}")
+ENDED_BY_FAILURE = ("timeout", "lost", "error")  # the environment failed: the episode trains no token
 
 
 class TemplateError(ValueError):
@@ -59,12 +64,16 @@ class TurnRenderer:
 
     def delta(self, turn_ids: list[int], observation: list[dict]) -> list[int]:
         """The ids that follow a model turn (``turn_ids``, as sampled) when ``observation`` answers it: what
-        closes the model's turn in the template (less the stop token the model sampled itself), the
-        observation's messages, and the opening of the next model turn."""
-        probe = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ASSISTANT}]
-        before = self.render(probe, False)
-        after = self.render(probe + observation, True)
-        if not after.startswith(before):
+        closes the model's turn in the template (less the end-of-turn token when the model sampled it),
+        the observation's messages, and the opening of the next model turn. A turn that stopped on another
+        token (a second stop id, or the length limit) is followed by the template's whole closing."""
+        for content in PROBE_CONTENTS:
+            probe = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": content}]
+            before = self.render(probe, False)
+            after = self.render(probe + observation, True)
+            if after.startswith(before):
+                break
+        else:
             raise TemplateError(
                 "the chat template renders earlier turns differently once a turn is appended, so an episode cannot "
                 "grow token by token; use a template that appends turns (data.chat_template=path.jinja)"
@@ -123,7 +132,12 @@ class MultiTurn:
         self.budget = spec.rollout.max_tokens
         self.pool: EnvironmentPool | None = None
 
-    def start(self) -> None:
+    def start(self, tokenizer) -> None:
+        """Use ``data.chat_template`` if one was given, check that the template appends turns (else the
+        actor fails to start, saying so), start the environment workers."""
+        if self.spec.chat_template is not None:
+            tokenizer.chat_template = self.spec.chat_template
+        TurnRenderer(tokenizer, []).delta([tokenizer.eos_token_id], [{"role": "tool", "content": "x"}])
         self.pool = EnvironmentPool(self.cfg)
         self.pool.wait_ready()
 
@@ -143,14 +157,20 @@ class MultiTurn:
             record.end, record.detail = ended.reason, ended.detail
             renderer = TurnRenderer(engine.tokenizer, [])
             prompt = renderer.prompt([{"role": "user", "content": str(request.row.get("prompt", ""))}])
-            eos = engine.tokenizer.eos_token_id
-            return Sample(prompt, [eos], [0], [0.0], [0], "stop", "", episode=record.summary())
+            eos, version = engine.tokenizer.eos_token_id, request.min_version  # admissible: never dropped as stale
+            return Sample(prompt, [eos], [0], [0.0], [version], "stop", "", episode=record.summary(), model_mask=[0])
+        if self.spec.system_prompt and not (messages and messages[0]["role"] == "system"):
+            messages = [{"role": "system", "content": self.spec.system_prompt}, *messages]
         renderer = TurnRenderer(engine.tokenizer, tools)
         prompt = renderer.prompt(messages)
+        room = self.spec.engine.max_model_len - len(prompt)  # the engine cannot hold more than this
         ids, mask, logprobs, versions, finish = [], [], [], [], "stop"
         try:
             for turn in range(self.cfg.max_turns):
-                left = self.budget - len(ids)
+                left = min(self.budget, room) - len(ids)
+                if left <= 0:  # the prompt with its tools, and the turns so far, fill the context
+                    record.end, finish = "length", "length"
+                    break
                 limit = min(left, self.cfg.turn_max_tokens or left)
                 began = time.monotonic()
                 completion: Completion = await engine.sample(prompt + ids, request, limit, turn * 1009 + index)
@@ -162,7 +182,7 @@ class MultiTurn:
                 record.turn_ends.append(len(ids) - 1)
                 text = engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
                 record.turns.append(Turn("model", text))
-                if completion.finish_reason == "length" and len(ids) >= self.budget:
+                if completion.finish_reason == "length" and len(ids) >= min(self.budget, room):
                     record.end, finish = "length", "length"
                     break
                 result = await self._timed(record, self.pool.step(episode, text))
@@ -178,7 +198,7 @@ class MultiTurn:
                     break
                 observation = result.messages()
                 delta = renderer.delta(completion.token_ids, observation)
-                if len(ids) + len(delta) >= self.budget:
+                if len(ids) + len(delta) >= min(self.budget, room):
                     record.end, finish = "length", "length"
                     break
                 record.turns.append(Turn("environment", engine.tokenizer.decode(delta, skip_special_tokens=False)))
@@ -188,12 +208,17 @@ class MultiTurn:
                 versions += [versions[-1] if versions else 0] * len(delta)
         except EpisodeEnded as ended:
             record.end, record.detail = ended.reason, ended.detail
+        except TemplateError as exc:  # an observation this template cannot append (checked at start for one)
+            record.end, record.detail = "error", str(exc)
         finally:
             await self.pool.close_episode(episode)
         while len(record.turn_rewards) < len(record.turn_ends):  # a last turn the environment never answered
             record.turn_rewards.append(0.0)
         text = engine.tokenizer.decode(ids, skip_special_tokens=True)
-        return Sample(prompt, ids, mask, logprobs, versions, finish, text, episode=record.summary())
+        # an episode the environment failed trains no token (its reward says nothing of the model), and
+        # stays in its group, as an overlong completion under algorithm.shaping.mask_truncated does
+        trained = [0] * len(mask) if record.end in ENDED_BY_FAILURE else mask
+        return Sample(prompt, ids, trained, logprobs, versions, finish, text, episode=record.summary(), model_mask=mask)
 
     async def _timed(self, record: EpisodeRecord, call):
         """``call`` (a reset or a step), its time counted as the environment's and on the timeline."""

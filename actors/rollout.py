@@ -43,6 +43,7 @@ class Sample:
     finish_reason: str  # "stop" | "length"
     text: str  # decoded completion, special tokens skipped
     episode: dict | None = None  # a multi-turn episode's turns and counts (actors/episode.py)
+    model_mask: list[int] | None = None  # an episode's model tokens (1) and environment tokens (0)
 
 
 class Engine(Protocol):
@@ -74,7 +75,7 @@ class SingleTurn:
     def __init__(self, spec=None, spans=None):
         pass
 
-    def start(self) -> None:
+    def start(self, tokenizer=None) -> None:
         pass
 
     def close(self) -> None:

@@ -84,7 +84,7 @@ class GroupBuilder:
                     step_end_tokens=None if ends is None else np.asarray(ends, dtype=np.int32),
                     reward_parts=scored.parts,
                     episode=s.episode,
-                    model_mask=None if s.episode is None else np.asarray(s.mask, dtype=np.uint8),
+                    model_mask=None if s.model_mask is None else np.asarray(s.model_mask, dtype=np.uint8),
                 )
             )
         if first_error:

@@ -28,6 +28,8 @@ class ActorSpec:
     step_delimiter: str | None = None  # set for process supervision: one reward per reasoning step
     reward_model_actors: tuple[str, ...] = ()  # Ray names of the reward model actors (reward.model)
     timeline: bool = True  # record spans for RUN_DIR/timeline.jsonl (run.timeline)
+    chat_template: str | None = None  # data.chat_template's file text (episodes render their own turns)
+    system_prompt: str | None = None  # data.system_prompt: an episode's first message when reset() gives none
 
 
 @dataclass(frozen=True)

@@ -208,8 +208,18 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         step_delimiter=cfg.algorithm.estimator.step_delimiter if cfg.algorithm.method.per_step_rewards else None,
         reward_model_actors=tuple(reward_model_names(plan, run)),
         timeline=cfg.run.timeline,
+        chat_template=episode_template(cfg.data.chat_template),
+        system_prompt=cfg.data.system_prompt,
     )
     return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
+
+
+def episode_template(chat_template: str) -> str | None:
+    """The text of ``data.chat_template``'s file, which an episode's turns are rendered with on the actor
+    (None: the tokenizer's own)."""
+    if chat_template in ("auto", "none"):
+        return None
+    return Path(chat_template).expanduser().read_text()
 
 
 async def await_actors(cfg: TandemConfig, run: RunLog, actors: list, names: list[str]) -> None:

@@ -214,8 +214,11 @@ class ScriptedEngine:
 
 
 class _Spec:
-    def __init__(self, rollout):
-        self.rollout = rollout
+    def __init__(self, rollout, system_prompt=None):
+        from actors.config import EngineConfig
+
+        self.rollout, self.engine = rollout, EngineConfig(max_model_len=1024)
+        self.chat_template, self.system_prompt = None, system_prompt
 
 
 def _episode(tokenizer, turns, max_tokens=200, **episode):
@@ -226,7 +229,7 @@ def _episode(tokenizer, turns, max_tokens=200, **episode):
         episode=EpisodeConfig(environment="builtin:lookup", workers=1, **episode),
     )
     rollout_fn = MultiTurn(_Spec(rollout))
-    rollout_fn.start()
+    rollout_fn.start(tokenizer)
     row = lookup_rows(1, seed=5)[0]
     engine = ScriptedEngine(tokenizer, [t.format(**row) for t in turns])
     try:
@@ -341,3 +344,104 @@ def test_an_environment_is_checked_before_the_run_in_a_child_process(tmp_path):
     (tmp_path / "broken.py").write_text("raise RuntimeError('no database')\n")
     with pytest.raises(EnvironmentSpecError, match="failed to import: RuntimeError: no database"):
         check_environment(EpisodeConfig(environment=f"{tmp_path / 'broken.py'}:Env"))
+
+
+# A template shaped like Qwen3's: the last assistant turn gets an empty <think> block unless it has one, so
+# appending a turn re-renders the one before it when that holds no reasoning.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{% if m.role == 'assistant' and loop.last and '<think>' not in m.content %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_adds_empty_reasoning_to_the_last_turn_still_appends_turns():
+    tok = build_chat_tokenizer()
+    tok.chat_template = THINKING_TEMPLATE
+    renderer = TurnRenderer(tok, [])
+    delta = renderer.delta([tok.eos_token_id], [{"role": "tool", "content": "42"}])
+    assert tok.decode(delta) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ messages | length }}"  # rewrites
+    with pytest.raises(Exception, match="renders earlier turns differently"):
+        TurnRenderer(tok, []).delta([tok.eos_token_id], [{"role": "tool", "content": "42"}])
+
+
+BAD_ENV = """
+from actors.environments import Environment, StepResult
+
+class NoReward(Environment):
+    def reset(self, row):
+        return [{"role": "user", "content": "p"}]
+
+    def step(self, action_text):
+        return StepResult("x", reward=None)
+
+class TextReset(Environment):
+    def reset(self, row):
+        return "not messages"
+
+class Raising(Environment):
+    def reset(self, row):
+        return [{"role": "user", "content": "p"}]
+
+    def step(self, action_text):
+        raise RuntimeError("the sandbox is gone")
+"""
+
+
+def test_bad_answers_from_an_environment_end_the_episode_and_free_its_slot(tmp_path):
+    (tmp_path / "bad.py").write_text(BAD_ENV)
+
+    async def go(name):
+        pool = EnvironmentPool(EpisodeConfig(environment=f"{tmp_path / 'bad.py'}:{name}", workers=1))
+        pool.wait_ready()
+        try:
+            try:
+                episode, _, _ = await pool.reset({})
+                await pool.step(episode, "x")
+            except EpisodeEnded as ended:
+                return ended, pool.workers[0].episodes
+        finally:
+            pool.close()
+
+    ended, _ = asyncio.run(go("NoReward"))
+    assert ended.reason == "error" and "not a number" in ended.detail
+    ended, held = asyncio.run(go("TextReset"))
+    assert "list of {'role': str, 'content': str} messages" in ended.detail and held == set()
+
+
+def test_an_episode_the_environment_failed_trains_no_token_but_stays_in_its_group(tmp_path, tokenizer):
+    (tmp_path / "bad.py").write_text(BAD_ENV)
+    rollout = RolloutConfig(
+        kind="multi_turn",
+        group_size=2,
+        max_tokens=200,
+        episode={"environment": f"{tmp_path / 'bad.py'}:Raising", "workers": 1},
+    )
+    fn = MultiTurn(_Spec(rollout, system_prompt="be brief"))
+    fn.start(tokenizer)
+    engine = ScriptedEngine(tokenizer, ["hello"])
+    try:
+        sample = asyncio.run(fn.episode(PromptRequest(1, {"prompt": "p"}, 3), engine, 0))
+    finally:
+        fn.close()
+    assert sample.episode["end"] == "error" and "the sandbox is gone" in sample.episode["detail"]
+    assert sample.mask == [0] * len(sample.token_ids) and sample.model_mask == [1] * len(sample.token_ids)
+    assert tokenizer.decode(sample.prompt_token_ids).startswith("<|im_start|>system\nbe brief")  # data.system_prompt
+
+
+def test_an_episode_never_outgrows_the_engines_context(tokenizer):
+    rollout = RolloutConfig(
+        kind="multi_turn", group_size=2, max_tokens=500, episode={"environment": "builtin:lookup", "workers": 1}
+    )
+    spec = _Spec(rollout)
+    spec.engine = spec.engine.model_copy(update={"max_model_len": 120})
+    fn = MultiTurn(spec)
+    fn.start(tokenizer)
+    engine = ScriptedEngine(tokenizer, ['<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'])
+    try:
+        sample = asyncio.run(fn.episode(PromptRequest(1, lookup_rows(1)[0], 0), engine, 0))
+    finally:
+        fn.close()
+    assert sample.episode["end"] == "length" and len(sample.prompt_token_ids) + len(sample.token_ids) <= 120

@@ -99,7 +99,8 @@ def test_a_hanging_environment_ends_its_episodes_at_the_deadline_and_the_actor_g
     assert time.monotonic() - start < 60
     ends = [t.episode["end"] for t in group.trajectories]
     assert set(ends) <= {"timeout", "lost"} and "timeout" in ends, ends
-    assert all(t.completion_mask.sum() > 0 for t in group.trajectories)  # the model's first turn is kept
+    # the model's first turn is kept and trains no token (its reward says nothing of the model)
+    assert all(t.completion_mask.sum() == 0 and t.model_mask.sum() > 0 for t in group.trajectories)
     after = ray.get(actor.generate_group.remote(PromptRequest(3, {"prompt": "count"}, 0)), timeout=120)
     assert [t.episode["end"] for t in after.trajectories] == ["max_turns"] * 3
 
