@@ -199,7 +199,14 @@ class TandemConfig(Section):
     @property
     def warnings(self) -> list[str]:
         """Valid settings that are probably not what the user meant: printed before the run, one line each."""
-        return ([regrouped_warning(self._regrouped)] if self._regrouped else []) + self.algorithm.warnings
+        out = ([regrouped_warning(self._regrouped)] if self._regrouped else []) + self.algorithm.warnings
+        estimator = self.algorithm.estimator
+        if estimator.discount == "turn" and estimator.gamma < 1 and self.rollout.kind != "multi_turn":
+            out.append(
+                f"algorithm.estimator.discount = turn with gamma = {estimator.gamma} discounts nothing in single-turn "
+                "completions (one turn each); use discount: token, or rollout.kind: multi_turn"
+            )
+        return out
 
     @property
     def has_critic(self) -> bool:

@@ -445,3 +445,19 @@ def test_an_episode_never_outgrows_the_engines_context(tokenizer):
     finally:
         fn.close()
     assert sample.episode["end"] == "length" and len(sample.prompt_token_ids) + len(sample.token_ids) <= 120
+
+
+def test_a_per_turn_discount_on_single_turn_completions_is_a_warning():
+    from launch.config import load_config
+
+    base = [
+        "model.path=m",
+        "data.prompts=builtin:echo",
+        "reward.function=builtin:echo",
+        "algorithm.name=reinforce",
+        "algorithm.estimator.gamma=0.9",
+    ]
+    assert any(
+        "discounts nothing" in w for w in load_config(None, [*base, "algorithm.estimator.discount=turn"]).warnings
+    )
+    assert not any("discounts nothing" in w for w in load_config(None, base).warnings)
