@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import importlib.util
 import itertools
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import asdict
@@ -33,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import EpisodeConfig
+from actors.user_files import import_user_file
 
 KILL_GRACE_S = 5.0
 PARENT_CHECK_S = 1.0
@@ -59,20 +58,8 @@ def load_environment_class(spec: str) -> type:
         raise EnvironmentSpecError(
             f"rollout.episode.environment {spec!r} must be 'path/to/file.py:ClassName' or 'builtin:<name>'"
         )
-    path = Path(path_text).expanduser().resolve()
-    if not path.is_file():
-        raise EnvironmentSpecError(
-            f"rollout.episode.environment file {path} does not exist; check the path before ':' (a relative path "
-            "is taken from the directory tandem runs in)"
-        )
-    module_name = f"tandem_env_{abs(hash(str(path)))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise EnvironmentSpecError(f"environment file {path} failed to import: {type(exc).__name__}: {exc}") from None
+    module = import_user_file(path_text, "tandem_env", "rollout.episode.environment", EnvironmentSpecError)
+    path = Path(module.__file__)
     cls = getattr(module, name, None)
     if (
         not isinstance(cls, type)

@@ -10,7 +10,6 @@ the run starts, so one that exits or hangs while it is imported fails in one lin
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import os
@@ -23,6 +22,7 @@ from typing import Any
 
 from actors.builtin_rewards import BUILTIN_REWARDS
 from actors.config import RewardConfig
+from actors.user_files import import_user_file
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -49,22 +49,8 @@ def load_reward_function(spec: str, cfg: RewardConfig | None = None) -> RewardFn
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
         raise RewardSpecError(f"reward.function {spec!r} must be 'path/to/file.py:function_name' or 'builtin:<task>'")
-    path = Path(path_text).expanduser().resolve()
-    if not path.is_file():
-        relative = (
-            ""
-            if Path(path_text).expanduser().is_absolute()
-            else " (a relative path is taken from the directory tandem runs in)"
-        )
-        raise RewardSpecError(f"reward.function file {path} does not exist; check the path before ':'{relative}")
-    module_name = f"tandem_reward_{abs(hash(str(path)))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise RewardSpecError(f"reward.function file {path} failed to import: {type(exc).__name__}: {exc}") from None
+    module = import_user_file(path_text, "tandem_reward", "reward.function", RewardSpecError)
+    path, module_name = Path(module.__file__), module.__name__
     fn = getattr(module, name, None)
     if not callable(fn):
         found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name]
