@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "example", help="run a built-in example end to end (math: SFT warm-start, GRPO, eval; tools: multi-turn)"
     )
     exm.add_argument("name", choices=["math", "tools"])
-    exm.add_argument("--sft-steps", type=int, help="supervised warm-start steps (default: math 600, tools 300)")
+    exm.add_argument("--sft-steps", type=int, help="supervised warm-start steps (default: math 600, tools 800)")
     exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
     tr.add_argument(
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.name == "tools":
                 from launch.tools.example_tools import run_tools_example
 
-                return run_tools_example(args.overrides, args.sft_steps or 300)
+                return run_tools_example(args.overrides, args.sft_steps or 800)
             from launch.tools.example import run_math_example
 
             return run_math_example(args.overrides, args.sft_steps or 600)
