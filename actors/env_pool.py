@@ -23,18 +23,13 @@ import atexit
 import itertools
 import multiprocessing
 import os
-import signal
-import threading
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from actors.config import EpisodeConfig
 from actors.user_files import import_user_file
-
-KILL_GRACE_S = 5.0
-PARENT_CHECK_S = 1.0
+from actors.worker_process import KILL_GRACE_S, become_worker, kill_group
 
 
 class EnvironmentSpecError(ValueError):
@@ -113,12 +108,7 @@ def check_environment(cfg: EpisodeConfig) -> None:
             f"{proc.exitcode}); put such code under `if __name__ == '__main__':`"
         )
     finally:
-        if proc.exitcode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
-        proc.join(KILL_GRACE_S)
+        kill_group(proc)  # an import that started processes leaves none behind
         parent.close()
     if error:
         raise EnvironmentSpecError(error)
@@ -128,8 +118,7 @@ def worker_main(conn, cfg: EpisodeConfig, parent_pid: int) -> None:
     """Load the environment class, then answer ``(op, episode, payload)`` until told to stop (``None``)."""
     from actors.environments import tool_schema
 
-    os.setsid()  # its own process group: a kill on a timeout takes whatever the environment started
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    become_worker(parent_pid)  # its own process group: a kill on a timeout takes what the environment started
     try:
         cls = load_environment_class(cfg.environment)
     except Exception as exc:
@@ -193,13 +182,6 @@ def _checked(result):
     return StepResult(result.observation, reward, bool(result.done), result.info)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(PARENT_CHECK_S)
-        if os.getppid() != parent_pid:
-            os._exit(0)
-
-
 class EpisodeEnded(Exception):
     """The environment cannot go on: ``reason`` is ``timeout``, ``error`` or ``lost``; ``detail`` says why."""
 
@@ -239,13 +221,7 @@ class _Worker:
         return self.conn.recv()
 
     def kill(self) -> None:
-        """The worker and whatever it started (its process group outlives a worker that crashed)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            if self.proc.exitcode is None:
-                self.proc.kill()
-        self.proc.join(KILL_GRACE_S)
+        kill_group(self.proc)  # the worker and whatever it started
         self.conn.close()
 
 
@@ -303,12 +279,11 @@ class EnvironmentPool:
             pass
 
     async def _call(self, episode: int, op: str, payload):
-        worker = self._where.get(episode)
-        if worker is None or worker not in self.workers:
-            raise EpisodeEnded("lost", "its environment worker was replaced after another episode's step timed out")
-        return await self._call_on(worker, episode, op, payload)
+        return await self._call_on(self._where.get(episode), episode, op, payload)
 
-    async def _call_on(self, worker: _Worker, episode: int, op: str, payload):
+    async def _call_on(self, worker: _Worker | None, episode: int, op: str, payload):
+        if worker is None:
+            raise EpisodeEnded("lost", f"episode {episode} is not held by any environment worker")
         async with worker.lock:
             if worker not in self.workers:
                 raise EpisodeEnded("lost", "its environment worker was replaced after another episode's step timed out")

@@ -34,17 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from actors.config import RewardConfig
 from actors.reward_parts import SampleScore, load_parts, score_call
+from actors.worker_process import KILL_GRACE_S, become_worker, kill_group
 
-KILL_GRACE_S = 5.0  # a killed worker's exit, and a stopped one's
 CALL_TIMED_OUT = "TimeoutError: reward call took longer"  # how a call past reward.timeout_s is reported
-PARENT_CHECK_S = 1.0  # how often a worker checks that its actor is still alive
 
 
 def worker_main(conn, cfg: RewardConfig, steps: bool, parent_pid: int) -> None:
     """A reward worker: load the parts, then answer ``(prompts, completions, rows)`` calls until told to
     stop (``None``) or the actor's end of the pipe closes. Runs in the process's main thread."""
-    os.setsid()  # its own process group: killing it on a timeout takes whatever the reward started too
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    become_worker(parent_pid)  # its own process group: killing it on a timeout takes what the reward started
     try:
         parts = load_parts(cfg)
     except Exception as exc:
@@ -60,13 +58,6 @@ def worker_main(conn, cfg: RewardConfig, steps: bool, parent_pid: int) -> None:
             return
         prompts, completions, rows = call
         conn.send(score_call(parts, prompts, completions, rows, steps))
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(PARENT_CHECK_S)
-        if os.getppid() != parent_pid:  # reparented: the actor died without closing the pool
-            os._exit(0)
 
 
 class _Worker:
@@ -128,12 +119,7 @@ class _Worker:
         self.kill()
 
     def kill(self) -> None:
-        if self.proc.exitcode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and anything it started
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-            self.proc.join(KILL_GRACE_S)
+        kill_group(self.proc)  # the worker and anything it started
         self.conn.close()
 
 
