@@ -163,11 +163,12 @@ class MultiTurn:
             messages = [{"role": "system", "content": self.spec.system_prompt}, *messages]
         renderer = TurnRenderer(engine.tokenizer, tools)
         prompt = renderer.prompt(messages)
-        room = self.spec.engine.max_model_len - len(prompt)  # the engine cannot hold more than this
+        # the episode's tokens after the prompt: its budget, and what the engine's context has left
+        budget = min(self.budget, self.spec.engine.max_model_len - len(prompt))
         ids, mask, logprobs, versions, finish = [], [], [], [], "stop"
         try:
             for turn in range(self.cfg.max_turns):
-                left = min(self.budget, room) - len(ids)
+                left = budget - len(ids)
                 if left <= 0:  # the prompt with its tools, and the turns so far, fill the context
                     record.end, finish = "length", "length"
                     break
@@ -182,7 +183,7 @@ class MultiTurn:
                 record.turn_ends.append(len(ids) - 1)
                 text = engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
                 record.turns.append(Turn("model", text))
-                if completion.finish_reason == "length" and len(ids) >= min(self.budget, room):
+                if completion.finish_reason == "length" and len(ids) >= budget:
                     record.end, finish = "length", "length"
                     break
                 result = await self._timed(record, self.pool.step(episode, text))
@@ -198,7 +199,7 @@ class MultiTurn:
                     break
                 observation = result.messages()
                 delta = renderer.delta(completion.token_ids, observation)
-                if len(ids) + len(delta) >= min(self.budget, room):
+                if len(ids) + len(delta) >= budget:
                     record.end, finish = "length", "length"
                     break
                 record.turns.append(Turn("environment", engine.tokenizer.decode(delta, skip_special_tokens=False)))

@@ -54,9 +54,8 @@ class GenerationActor:
             steps = self.spec.step_delimiter is not None
             scorer = RewardScorer(self.spec.reward, steps, model_actors=self.spec.reward_model_actors)
             await asyncio.to_thread(scorer.wait_ready)  # a reward that cannot load fails the start, naming it
-            await asyncio.to_thread(
-                self.rollout.start, self.engine.tokenizer
-            )  # an environment that cannot load fails it too
+            # so does an environment that cannot load, or a chat template that cannot append turns
+            await asyncio.to_thread(self.rollout.start, self.engine.tokenizer)
             tokenizer = self.engine.tokenizer
             decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             self.builder = GroupBuilder(self.spec.name, scorer, decode, self.spec.step_delimiter)
