@@ -8,6 +8,8 @@ learning rate and AdamW betas, no KL term (no reference model), one update per b
            rollout.weight_update=between_requests`` (vLLM actor + DeepSpeed learner, both cores;
            on this workload in-flight k = 2 was 0.266 steps/s at L = 128 against 0.249, but 0.026 against
            0.050 at 512 on 2026-12-02)
+  colocated : the same with ``run.schedule=colocated``: two vLLM actors (one per core) generate a phase
+           of max_staleness + 1 steps, then the learner trains on both cores (``--colocated-overrides``)
   trl-1t : TRL's ``GRPOTrainer`` without vLLM (transformers ``generate``), one torch thread
   trl-2t : the same with two torch threads; the faster of the two is TRL's figure
   vllm-1core : not a trainer: ``bench/vllm_one_core.py``, the actor's vLLM engine alone on one core
@@ -48,7 +50,11 @@ COMPLETIONS = PROMPTS * GROUP  # per optimizer step, both sides
 DEFAULT_STEPS = {128: 8, 512: 5, 2048: 3}
 THREADS = (1, 2)
 CEILING = "vllm-1core"  # bench/vllm_one_core.py: Tandem's one engine alone on one core, generation only
-CONTESTANTS = ["tandem", *(f"trl-{t}t" for t in THREADS), CEILING]  # the order they run in, per round and L
+TANDEMS = {  # Tandem's contestants: the overrides each adds to the common ones
+    "tandem": [],
+    "colocated": ["run.schedule=colocated", "resources.actors.count=2", "resources.learner.num_cpus=2"],
+}
+CONTESTANTS = [*TANDEMS, *(f"trl-{t}t" for t in THREADS), CEILING]  # the order they run in, per round and L
 
 
 def default_steps(length: int) -> int:
@@ -177,7 +183,7 @@ def run_trl(threads: int, length: int, steps: int, args: argparse.Namespace) -> 
     }
 
 
-def run_tandem(length: int, steps: int, args: argparse.Namespace, out: Path) -> dict:
+def run_tandem(length: int, steps: int, args: argparse.Namespace, out: Path, extra: list[str]) -> dict:
     root = Path(args.root).resolve() if args.root else ROOT
     overrides = [
         f"model.path={args.model}",
@@ -198,6 +204,7 @@ def run_tandem(length: int, steps: int, args: argparse.Namespace, out: Path) -> 
         f"rollout.max_inflight_prompts={PROMPTS * 2}",
         "run.max_staleness=1",
         "rollout.weight_update=between_requests",
+        *extra,
         *args.tandem_overrides.split(),
     ]
     cmd = [sys.executable, "-m", "launch.cli", "train", "--config", str(root / "configs" / "demo.yaml"), *overrides]
@@ -256,11 +263,12 @@ def summarise(runs: list[dict], length: int) -> dict:
             "completion_len": statistics.mean(r["completion_len"] for r in rs),
         }
     best = max((f"trl-{t}t" for t in THREADS), key=lambda n: by[n]["steps_s"])
-    tandem, trl, ceiling = (by[n]["steps_s"] for n in ("tandem", best, CEILING))
+    tandem, colocated, trl, ceiling = (by[n]["steps_s"] for n in ("tandem", "colocated", best, CEILING))
     return {
         "contestants": by,
         "best_trl": best,
         "ratio": tandem / trl,
+        "colocated_ratio": colocated / trl,
         "ceiling_ratio": ceiling / trl,
         "tandem_of_ceiling": tandem / ceiling,
     }
@@ -275,9 +283,11 @@ def print_summary(length: int, s: dict) -> None:
             f"{c['completion_len']:>10.1f}"
         )
     print(f"RATIO tandem / best TRL ({s['best_trl']}) steady steps/s at L={length}: {s['ratio']:.2f}x")
+    print(f"RATIO colocated / best TRL ({s['best_trl']}) steady steps/s at L={length}: {s['colocated_ratio']:.2f}x")
     print(
         f"CEILING {CEILING} / best TRL at L={length}: {s['ceiling_ratio']:.2f}x "
-        f"(Tandem reaches {s['tandem_of_ceiling']:.0%} of its one engine's rate)"
+        f"(overlapped Tandem reaches {s['tandem_of_ceiling']:.0%} of its one engine's rate; the colocated "
+        "schedule's two engines are not bound by it)"
     )
 
 
@@ -301,6 +311,9 @@ def main() -> None:
     parser.add_argument("--model", help="a tiny model directory to reuse (built there if missing; default: a temp dir)")
     parser.add_argument("--root", help="run Tandem from this checkout (its launch.cli and configs/demo.yaml)")
     parser.add_argument("--tandem-overrides", default="", help="extra Tandem overrides, space-separated (win)")
+    parser.add_argument(
+        "--colocated-overrides", default="", help="extra overrides of the colocated contestant only, space-separated"
+    )
     parser.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     parser.add_argument("--lr", type=float, help="learning rate of both (default: the demo config's learner.lr)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_trl.json"))
@@ -331,9 +344,10 @@ def main() -> None:
             for length in lengths:
                 n = steps[length]
                 for name in CONTESTANTS:
-                    if name == "tandem":
-                        (out := Path(tmp) / f"tandem-r{i}-L{length}").mkdir()
-                        figures = run_tandem(length, n, args, out)
+                    if name in TANDEMS:
+                        (out := Path(tmp) / f"{name}-r{i}-L{length}").mkdir()
+                        extra = TANDEMS[name] + (args.colocated_overrides.split() if name == "colocated" else [])
+                        figures = run_tandem(length, n, args, out, extra)
                     elif name == CEILING:
                         figures = run_ceiling(length, n, args)
                     else:
@@ -367,6 +381,7 @@ def main() -> None:
         "trl_micro_batch": args.trl_micro_batch,
         "tandem_root": str(Path(args.root or ROOT).resolve()),
         "tandem_overrides": args.tandem_overrides,
+        "colocated_overrides": " ".join(TANDEMS["colocated"] + args.colocated_overrides.split()),
         "summary": summary,
         "runs": runs,
         "wall_s": time.monotonic() - started,

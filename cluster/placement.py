@@ -35,6 +35,10 @@ class ProcessKind:
     count_key: str | None = None  # the key that sets count, when the user sets it
     colocate_hint: str | None = None  # the setting that would put it on other processes instead
     note: str = ""  # shown beside each of its processes in ``describe_plan``
+    # colocated: the prefix of the kind whose bundles these processes share (process i goes into that
+    # kind's bundle i % its count) instead of bundles of their own
+    shares: str | None = None
+    share: float = 1.0  # the fraction of its resources a process asks of Ray (its bundle is shared)
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{i}" for i in range(self.count)]
@@ -59,9 +63,9 @@ def on_this_node() -> dict[str, Any]:
 def ray_options(kind: ProcessKind, env: dict[str, str], scheduling: Any = None) -> dict[str, Any]:
     """Ray options for one process of ``kind`` (``scheduling``: its placement-group bundle)."""
     options = {
-        "num_cpus": kind.num_cpus,
-        "num_gpus": kind.num_gpus,
-        "resources": dict(kind.custom),
+        "num_cpus": kind.num_cpus * kind.share,
+        "num_gpus": kind.num_gpus * kind.share,
+        "resources": {k: v * kind.share for k, v in kind.custom.items()},
         "runtime_env": {"env_vars": dict(env)},
     }
     if scheduling is not None:
@@ -71,7 +75,10 @@ def ray_options(kind: ProcessKind, env: dict[str, str], scheduling: Any = None) 
 
 def required_resources(kinds: list[ProcessKind]) -> dict[str, float]:
     need = {"CPU": 0.0, "GPU": 0.0}
+    guests = shared_bundles(kinds)
     for k in kinds:
+        if k.count and k.names()[0] in guests:  # in another kind's bundles: adds nothing
+            continue
         need["CPU"] += k.count * k.num_cpus
         need["GPU"] += k.count * k.num_gpus
         for key, value in k.custom.items():
@@ -97,6 +104,7 @@ def fix_hint(kinds: list[ProcessKind], resource: str) -> str:
 
 def check_fits(kinds: list[ProcessKind], available: dict[str, float]) -> None:
     """Raise ``PlacementError`` explaining what does not fit."""
+    check_shares(kinds)
     for resource, amount in required_resources(kinds).items():
         have = available.get(resource, 0.0)
         if amount <= have + 1e-9:
@@ -122,16 +130,48 @@ def local_ray_cpus(kinds: list[ProcessKind], local_num_cpus: int | None = None) 
 
 
 def plan_bundles(kinds: list[ProcessKind]) -> list[tuple[str, dict[str, float]]]:
-    """``(process name, bundle)`` for every process, kind by kind."""
-    return [(name, k.bundle()) for k in kinds for name in k.names()]
+    """``(process name, bundle)`` for every process with a bundle of its own, kind by kind."""
+    guests = shared_bundles(kinds)
+    return [(name, k.bundle()) for k in kinds for name in k.names() if name not in guests]
+
+
+def shared_bundles(kinds: list[ProcessKind]) -> dict[str, str]:
+    """Process name -> the process whose bundle it shares, for the kinds that share (colocated) one of
+    ``kinds`` (a kind whose host is not among them, as the actors of ``tandem eval``, has bundles of its own)."""
+    hosts = {k.prefix: k for k in kinds}
+    out = {}
+    for k in kinds:
+        if k.shares in hosts:
+            host = hosts[k.shares].names()
+            out.update({name: host[i % len(host)] for i, name in enumerate(k.names())})
+    return out
+
+
+def check_shares(kinds: list[ProcessKind]) -> None:
+    """A kind that shares another's bundles must fit in one of them: ``PlacementError`` otherwise."""
+    hosts = {k.prefix: k for k in kinds}
+    for k in kinds:
+        if k.shares not in hosts:
+            continue
+        host = hosts[k.shares]
+        for resource, need, have in (("CPU", k.num_cpus, host.num_cpus), ("GPU", k.num_gpus, host.num_gpus)):
+            if need > have + 1e-9:
+                raise PlacementError(
+                    f"a {k.label} asks {need:g} {resource}s and shares a {host.label}'s bundle of {have:g} "
+                    f"(run.schedule=colocated): lower {k.section}.num_{resource.lower()}s or raise "
+                    f"{host.section}.num_{resource.lower()}s"
+                )
 
 
 def describe_plan(kinds: list[ProcessKind], strategy: str, nodes: list[dict] | None = None) -> str:
     """The placement as text: one line per process, totals, and the cluster's nodes if known."""
     lines = [f"placement group: strategy {strategy}, {len(plan_bundles(kinds))} bundles"]
+    shared = shared_bundles(kinds)
     for k in kinds:
         note = f"  ({k.note})" if k.note else ""
-        lines += [f"  {name:<12} {_fmt(k.bundle())}{note}" for name in k.names()]
+        for name in k.names():
+            where = f"  (in {shared[name]}'s bundle, takes turns with it)" if name in shared else ""
+            lines.append(f"  {name:<12} {_fmt(k.bundle())}{note}{where}")
     lines.append(f"  {'total':<12} {_fmt(required_resources(kinds))}")
     if nodes is not None:
         lines.append(f"cluster: {len(nodes)} node(s)")
@@ -164,10 +204,11 @@ def reserve(kinds: list[ProcessKind], strategy: str, timeout_s: float) -> dict[s
             "the per-process num_cpus/num_gpus/custom, or use resources.strategy=SPREAD. "
             f"Nodes: {'; '.join(_fmt(n['Resources']) for n in nodes)}"
         )
-    return {
+    strategies = {
         name: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
         for i, (name, _) in enumerate(named)
     }
+    return strategies | {name: strategies[host] for name, host in shared_bundles(kinds).items()}
 
 
 def bundle_state(strategy: Any) -> tuple[str, str | None]:

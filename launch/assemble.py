@@ -31,6 +31,7 @@ from runtime.evaluation import Evaluator, eval_line
 from runtime.health import RunHealth
 from runtime.ledger import PromptLedger
 from runtime.saving import Progress, Resume, RunSaver
+from runtime.schedule import SCHEDULES, Overlapped
 from runtime.supervise import ActorFailed, ActorPool
 
 
@@ -48,6 +49,7 @@ class RunParts:
     progress: Progress  # how far the run got
     queues: tuple  # (prompt queue, results queue)
     driver_spans: Spans  # the driver's wait for each batch, for the timeline
+    schedule: Overlapped  # when the actors generate and the learner trains (run.schedule)
 
 
 class ActorStarter:
@@ -194,4 +196,5 @@ async def assemble(
         progress,
         (prompt_queue, results_queue),
         Spans("driver", cfg.run.timeline),
+        SCHEDULES[cfg.run.schedule](admission, k),
     )

@@ -100,6 +100,11 @@ class _RunStart(Section):
     max_staleness: int = Field(
         1, ge=0, description="Max policy versions between generating a token and training on it (0 = synchronous)."
     )
+    schedule: Literal["overlapped", "colocated"] = Field(
+        "overlapped",
+        description="overlapped: actors and learner on devices of their own, generating while the learner trains; "
+        "colocated: they share the learner's devices and take turns, each phase using all of them (docs/schedules.md).",
+    )
     data_timeout_s: float = Field(300, gt=0, description="Longest wait for a batch before the run fails.")
     weights_timeout_s: float = Field(120, gt=0, description="Longest wait for new weights before the run fails.")
     startup_timeout_s: float = Field(600, gt=0, description="Longest wait for actors and learners to start.")
@@ -178,6 +183,11 @@ class TandemConfig(Section):
                 f"algorithm.name = {algo.name} scores every reasoning step with one reward function; set "
                 "reward.function, not a weighted sum in reward.functions"
             )
+        if self.run.schedule == "colocated" and self.resources.actors.num_gpus:
+            raise ValueError(
+                "run.schedule = colocated on GPUs needs each engine to sleep while the learner trains (vLLM sleep "
+                "mode), which Tandem does not drive yet: use run.schedule=overlapped on GPUs (docs/schedules.md)"
+            )
         episodes = self.rollout.kind == "multi_turn"
         if self.reward.uses_environment and not episodes:
             raise ValueError(
@@ -200,6 +210,15 @@ class TandemConfig(Section):
     def warnings(self) -> list[str]:
         """Valid settings that are probably not what the user meant: printed before the run, one line each."""
         out = ([regrouped_warning(self._regrouped)] if self._regrouped else []) + self.algorithm.warnings
+        res = self.resources
+        engine_cores = res.actors.count * res.actors.tensor_parallel
+        learner_cores = res.learner.ranks * res.learner.num_cpus
+        if self.run.schedule == "colocated" and not res.actors.num_gpus and engine_cores != learner_cores:
+            out.append(
+                f"run.schedule = colocated: {engine_cores:g} engine core(s) (resources.actors.count x tensor_parallel) "
+                f"take turns with {learner_cores:g} learner core(s) (resources.learner.ranks x num_cpus); with as "
+                "many engines as the learner has cores each phase uses every core"
+            )
         estimator = self.algorithm.estimator
         if estimator.discount == "turn" and estimator.gamma < 1 and self.rollout.kind != "multi_turn":
             out.append(

@@ -7,7 +7,8 @@ learner ranks and add no process). Each kind carries the environment its role ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from actors.environment import actor_env, reward_model_env
 from cluster.placement import ProcessKind
@@ -58,7 +59,22 @@ def build_plan(cfg: TandemConfig) -> Plan:
     if cfg.reward.model is not None:
         reward_model = _kind("reward-model", "reward model actor", res.reward_model.count, res.reward_model,
                              "reward_model", count_key="resources.reward_model.count")  # fmt: skip
+    if cfg.run.schedule == "colocated":
+        actors, learner = colocate(actors, learner)
     return Plan(actors, learner, critic, reference, reward_model)
+
+
+def colocate(actors: ProcessKind, learner: ProcessKind) -> tuple[ProcessKind, ProcessKind]:
+    """The colocated schedule: the actors go into the learner ranks' bundles (actor i into rank i's modulo
+    the ranks), and every process of a shared bundle asks Ray for an equal fraction of what it uses, so
+    the bundle's CPUs and GPUs are counted once: the phases take turns on them."""
+    per_bundle = math.ceil(actors.count / learner.count)
+    share = 1.0 / (1 + per_bundle)
+    note = "shares the learner's devices, generating while the learner waits"
+    return (
+        replace(actors, shares=learner.prefix, share=share, note=", ".join(filter(None, [actors.note, note]))),
+        replace(learner, share=share),
+    )
 
 
 def actor_environment(cfg: TandemConfig, index: int) -> dict[str, str]:

@@ -136,7 +136,7 @@ async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: S
             parts.admission.trained(batch.groups)
             parts.health.check(step, batch.groups, learner_metrics)
             try:
-                await publish(run, parts, step + 1)
+                await publish(run, parts, step + 1, steps)
             finally:  # the update is applied, published or not: the step is done, and the
                 # checkpoint written after a failed push says so (its optimizer has step + 1 updates)
                 step_s = time.monotonic() - t0
@@ -155,8 +155,25 @@ async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: S
 
 
 async def collect(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: StopRequest, step: int) -> Batch | None:
-    """A step's batch of prompt groups from the results queue, or None when a stop request comes first
-    (the abandoned prompts stay outstanding in the ledger)."""
+    """A step's batch of prompt groups, or None when a stop request comes first (the abandoned prompts
+    stay outstanding in the ledger). A generation phase of the schedule (``runtime/schedule.py``)
+    collects the batches of its steps from the results queue; a later step of the phase takes its own."""
+    schedule = parts.schedule
+    if schedule.ready:
+        return schedule.ready.popleft()
+    batches, phase = [], schedule.phase_steps(step, cfg.run.steps)
+    async with schedule.generation(phase, cfg.rollout.prompts_per_step):
+        for i in range(phase):
+            batch = await collect_one(cfg, parts, stop, step + i)
+            if batch is None:
+                return None
+            batches.append(batch)
+    schedule.ready.extend(batches[1:])
+    return batches[0]
+
+
+async def collect_one(cfg: TandemConfig, parts: RunParts, stop: StopRequest, step: int) -> Batch | None:
+    """Step ``step``'s batch from the results queue, or None when a stop request comes first."""
     wall = time.time()
     collecting = asyncio.ensure_future(
         parts.collector.collect(cfg.rollout.prompts_per_step, step=step, max_staleness=cfg.run.max_staleness)
@@ -174,10 +191,13 @@ async def collect(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: StopReq
     return batch
 
 
-async def publish(run: RunLog, parts: RunParts, version: int) -> None:
+async def publish(run: RunLog, parts: RunParts, version: int, steps: int) -> None:
     """Every rank exports its weights, rank 0 publishes ``version``; admission may then let a step's
-    more prompts out."""
-    run.timeline(await parts.learner.publish_weights(version) + parts.driver_spans.take())
+    more prompts out. The colocated schedule publishes only the version its next phase generates with
+    (and one a held-out round needs)."""
+    if parts.schedule.publishes() or parts.evaluator.due(version, steps):
+        run.timeline(await parts.learner.publish_weights(version))
+    run.timeline(parts.driver_spans.take())
     await parts.admission.published(version)  # policy version `version` is now on the channel
 
 

@@ -73,8 +73,9 @@ CURVES: list[tuple[str, str, str, Callable[[list[RunData]], Figure | None], str]
 TIMELINE_TEXT = (
     "One lane per process: the driver, each learner rank, each actor; bars coloured by what the process was "
     "doing (spans of a kind merged where they overlap; waits are the thin bars). Generation overlapping training "
-    "is the asynchrony at work; the zoom shows about five steps from the middle of the run, dashed lines at step "
-    "starts."
+    "is the asynchrony at work (run.schedule: overlapped); in the colocated schedule the actors' and the learner's "
+    "bars alternate instead, one phase of max_staleness + 1 steps at a time. The zoom shows about five steps from "
+    "the middle of the run, dashed lines at step starts."
 )
 
 
@@ -162,7 +163,7 @@ def summary_table(runs: list[RunData]) -> str:
     """One row per run: its setting and its numbers (``run_summary``)."""
     columns = [
         ("run", "name", ""), ("status", "status", ""), ("steps", "steps", ""), ("method", "method", ""),
-        ("max staleness", "max_staleness", ""), ("weight update", "weight_update", ""),
+        ("schedule", "schedule", ""), ("max staleness", "max_staleness", ""), ("weight update", "weight_update", ""),
         ("actors / learner ranks", "split", ""), ("start-up s", "startup_s", ""), ("mean step s", "mean_step_s", ""),
         ("tokens/s (all)", "tokens_per_s", ""), ("trained tokens/s", "trained_tokens_per_s", ""),
         ("learner idle", "learner_idle", "%"), ("actor idle", "actor_idle", "%"),

@@ -95,7 +95,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
     record is ``None``. Keys:
 
     ``name``, ``path``, ``status`` (summary.json, ``None`` while running), ``steps`` (lines in
-    metrics.jsonl), ``method`` (algorithm.name), ``max_staleness``, ``weight_update``, ``actors``,
+    metrics.jsonl), ``method`` (algorithm.name), ``schedule``, ``max_staleness``, ``weight_update``, ``actors``,
     ``learner_ranks``, ``startup_s`` and ``wall_s`` (summary.json), ``mean_step_s`` (mean
     step_seconds), ``tokens_per_s`` (prompt + completion tokens over seconds, summed over the steps),
     ``trained_tokens_per_s`` (the same of the completion tokens the loss trains on), ``learner_idle``
@@ -124,6 +124,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "status": run.summary.get("status"),
         "steps": len(metrics),
         "method": _config(run.config, "algorithm.name"),
+        "schedule": _config(run.config, "run.schedule") or "overlapped",
         "max_staleness": _config(run.config, "run.max_staleness"),
         "weight_update": _config(run.config, "rollout.weight_update"),
         "actors": _config(run.config, "resources.actors.count"),

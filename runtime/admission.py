@@ -63,15 +63,45 @@ class Admission:
     ):
         self.ledger, self.pace, self.prompt_queue = ledger, pace, prompt_queue
         self.render, self.put_timeout_s = render, put_timeout_s
+        self._paused = False  # the colocated schedule's training phase: nothing goes out
+        self._budget: int | None = None  # prompts still to let out in this phase (None: as the pace allows)
+        self._open = asyncio.Event()  # set while neither paused nor out of budget
+        self._open.set()
+
+    def pause(self) -> None:
+        """Admit nothing until ``resume`` (the colocated schedule's training phase)."""
+        self._paused = True
+        self._update()
+
+    def resume(self, budget: int | None = None) -> None:
+        """Admit again: as the pace allows, and at most ``budget`` prompts when given (plus one for each
+        that must be replaced meanwhile: too stale, left out, lost)."""
+        self._paused, self._budget = False, budget
+        self._update()
+
+    def _replace(self, count: int) -> None:
+        if self._budget is not None:
+            self._budget += count
+            self._update()
+
+    def _update(self) -> None:
+        if not self._paused and self._budget != 0:
+            self._open.set()
+        else:
+            self._open.clear()
 
     async def feed(self) -> None:
         """The rollout loop: admit prompts as the pace allows, forever (the run cancels it)."""
         slot = 0
         while True:
             await self.pace.admit(slot)  # waits until this prompt can be trained on within k versions
+            await self._open.wait()  # and until the schedule lets prompts out
             # every prompt admissible now goes in one put (up to a step's): one queue call, not one
             # per prompt, and an actor waiting for prompts wakes to a full request, not to the first one
-            count = min(self.pace.P, self.pace.allowance() - slot)
+            count = min(self.pace.P, self.pace.allowance() - slot, self._budget or self.pace.P)
+            if self._budget is not None:
+                self._budget -= count
+                self._update()
             requests = []
             for _ in range(count):
                 prompt_id, row = self.ledger.take()
@@ -94,17 +124,20 @@ class Admission:
         """A group too old to train: its prompt is generated again, in a place of its own."""
         if self.ledger.is_outstanding(group.prompt_id):
             self.ledger.again([group.prompt_id])
+            self._replace(1)
             await self.pace.drop()
 
     async def no_signal(self, group: TrajectoryGroup) -> None:
         """A group left out by dynamic sampling: its prompt is done (not generated again), and one
         more prompt may be admitted in its place."""
         self.ledger.trained(group.prompt_id)
+        self._replace(1)
         await self.pace.drop()
 
     async def again(self, prompt_ids: list[int]) -> None:
         """Prompts lost with an actor: generated again, each in a place of its own."""
         self.ledger.again(prompt_ids)
+        self._replace(len(prompt_ids))
         await self.pace.drop(len(prompt_ids))
 
     def trained(self, groups: list[TrajectoryGroup]) -> None:

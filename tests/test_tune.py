@@ -38,9 +38,11 @@ class Workload:
 
     def measure(self, s: Setting) -> Measurement:
         gen, train = self.generate_s / s.actors, self.train_s / s.ranks
-        step = gen + train if s.max_staleness == 0 else max(gen, train)
-        learner_wait = gen if s.max_staleness == 0 else max(gen - train, 0.0)
-        actor_wait = train if s.max_staleness == 0 else max(train - gen, 0.0)
+        if s.schedule == "colocated":  # taking turns, the learner's threads on all the cores
+            train /= s.learner_cpus
+        step = gen + train if s.max_staleness == 0 or s.schedule == "colocated" else max(gen, train)
+        learner_wait = gen if s.max_staleness == 0 or s.schedule == "colocated" else max(gen - train, 0.0)
+        actor_wait = train if s.max_staleness == 0 or s.schedule == "colocated" else max(train - gen, 0.0)
         return Measurement(
             s,
             tokens_per_s=self.tokens / step,
@@ -51,8 +53,9 @@ class Workload:
         )
 
 
-def probe(workload: Workload, cfg, ks=(0, 1, 2, 4)) -> list[Measurement]:
-    return [workload.measure(s) for s in probe_settings(cfg, list(ks), ["between_requests", "inflight"])]
+def probe(workload: Workload, cfg, ks=(0, 1, 2, 4), schedules=("overlapped",)) -> list[Measurement]:
+    settings = probe_settings(cfg, list(ks), ["between_requests", "inflight"])
+    return [workload.measure(s) for s in settings if s.schedule in schedules]
 
 
 def test_splits_keep_what_the_config_reserves():
@@ -62,21 +65,44 @@ def test_splits_keep_what_the_config_reserves():
     assert splits(config(2, 1, learner=2)) == [(2, 1)]
 
 
-def test_the_grid_skips_inflight_updates_at_k0():
+def test_the_grid_skips_inflight_updates_at_k0_and_probes_colocated_on_cpus():
     settings = probe_settings(config(1, 1), [0, 1, 2], ["between_requests", "inflight"])
-    assert [(s.max_staleness, s.weight_update) for s in settings] == [
-        (0, "between_requests"),
-        (1, "between_requests"),
-        (1, "inflight"),
-        (2, "between_requests"),
-        (2, "inflight"),
+    grid = [(0, "between_requests"), (1, "between_requests"), (1, "inflight"), (2, "between_requests"), (2, "inflight")]
+    assert [(s.max_staleness, s.weight_update, s.schedule) for s in settings] == [
+        *((k, mode, "overlapped") for k, mode in grid),
+        *((k, mode, "colocated") for k, mode in grid),
     ]
+    # colocated: one engine per core, the rank on both cores
+    assert {(s.actors, s.ranks, s.learner_cpus) for s in settings if s.schedule == "colocated"} == {(2, 1, 2.0)}
     assert Setting(2, "inflight", 1, 3).overrides() == [
         "run.max_staleness=2",
+        "run.schedule=overlapped",
         "rollout.weight_update=inflight",
         "resources.actors.count=1",
         "resources.learner.ranks=3",
     ]
+    assert Setting(1, "between_requests", 2, 1, "colocated", 2.0).overrides()[-1] == "resources.learner.num_cpus=2"
+    # a colocated config's own cores are shared: not counted twice
+    colocated = load_config(None, [*BASE, "run.schedule=colocated", "resources.actors.count=2",
+                                   "resources.learner.num_cpus=2"])  # fmt: skip
+    assert splits(colocated) == [(1, 1)] and (2, 1, "colocated") in {
+        (s.actors, s.ranks, s.schedule) for s in probe_settings(colocated, [0], ["between_requests"])
+    }
+    # on GPUs the colocated schedule is not built: not probed
+    gpu = load_config(None, [*BASE, "resources.actors.num_gpus=1", "resources.learner.num_gpus=1"])
+    assert {s.schedule for s in probe_settings(gpu, [0, 1], ["between_requests"])} == {"overlapped"}
+
+
+def test_where_both_sides_are_slow_on_one_core_taking_turns_on_two_wins():
+    both = ("overlapped", "colocated")
+    rec = recommend(probe(Workload(generate_s=4.0, train_s=3.0), config(1, 1), schedules=both))
+    assert rec.setting.schedule == "colocated" and rec.setting.actors == 2  # 2 + 1.5 s a step, not max(4, 3)
+    assert "take turns" in rec.reason
+    # generation-bound: overlapping hides the 1 s of training, two engines halve the 8 s (4.5 s against 8)
+    rec = recommend(probe(Workload(generate_s=8.0, train_s=1.0), config(1, 1), schedules=both))
+    assert rec.setting.schedule == "colocated"
+    rec = recommend(probe(Workload(generate_s=2.0, train_s=2.0), config(1, 1), schedules=both))
+    assert rec.setting.schedule == "colocated" and rec.setting.max_staleness == 0  # as fast as overlapped k = 1
 
 
 def test_where_generation_dominates_it_gives_generation_more_actors():

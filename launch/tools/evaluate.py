@@ -98,7 +98,8 @@ def run_evaluation(config_path: str | None, model: str, overrides: list[str]) ->
     rows = check_prompt_lengths(cfg, model_path, rows, "the held-out set")
     run = RunLog.create(cfg.run.output_dir, f"eval-{cfg.run.name}", cfg.model_dump(mode="json"), 0, cfg.run.private)
     try:
-        metrics = asyncio.run(evaluate_model(cfg, build_plan(cfg), model_path, rows, run))
+        plan = build_plan(cfg.model_copy(update={"run": cfg.run.model_copy(update={"schedule": "overlapped"})}))
+        metrics = asyncio.run(evaluate_model(cfg, plan, model_path, rows, run))  # no learner to take turns with
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -2,7 +2,9 @@
 
 Each probed setting is ``run.max_staleness`` (``--staleness``), ``rollout.weight_update``
 (``--modes``; in-flight only with k >= 1: at k = 0 nothing generates while the learner trains)
-and an actor:learner split the configured resources allow (``splits``). Each trains ``--steps``
+and an actor:learner split the configured resources allow (``splits``), in the overlapped schedule;
+on CPUs also the colocated schedule (``runtime/schedule.py``), where one engine per core and the
+learner ranks take turns on all the cores. Each trains ``--steps``
 steps of the real job in a run directory of its own under ``<run.output_dir>/tune-<name>-<stamp>/``
 (no evaluation, no final save), and its ``metrics.jsonl`` and ``timeline.jsonl`` say how it went
 (``observe/run_stats.py``): trained tokens/s, learner and actor idle, dropped-stale groups, the TIS
@@ -40,26 +42,35 @@ class Setting:
     weight_update: str  # "between_requests" | "inflight"
     actors: int
     ranks: int
+    schedule: str = "overlapped"  # run.schedule
+    learner_cpus: float | None = None  # resources.learner.num_cpus when the setting changes it
 
     @property
     def label(self) -> str:
         mode = "in-flight" if self.weight_update == "inflight" else "between requests"
-        return f"k={self.max_staleness}, {mode}, {self.actors}:{self.ranks}"
+        where = ", colocated" if self.schedule == "colocated" else ""
+        return f"k={self.max_staleness}, {mode}, {self.actors}:{self.ranks}{where}"
 
     def tree(self) -> dict[str, Any]:
         """The setting as config sections (the overrides file)."""
+        learner: dict[str, Any] = {"ranks": self.ranks}
+        if self.learner_cpus is not None:
+            learner["num_cpus"] = self.learner_cpus
         return {
-            "run": {"max_staleness": self.max_staleness},
+            "run": {"max_staleness": self.max_staleness, "schedule": self.schedule},
             "rollout": {"weight_update": self.weight_update},
-            "resources": {"actors": {"count": self.actors}, "learner": {"ranks": self.ranks}},
+            "resources": {"actors": {"count": self.actors}, "learner": learner},
         }
 
     def overrides(self) -> list[str]:
+        cpus = [] if self.learner_cpus is None else [f"resources.learner.num_cpus={self.learner_cpus:g}"]
         return [
             f"run.max_staleness={self.max_staleness}",
+            f"run.schedule={self.schedule}",
             f"rollout.weight_update={self.weight_update}",
             f"resources.actors.count={self.actors}",
             f"resources.learner.ranks={self.ranks}",
+            *cpus,
         ]
 
 
@@ -107,14 +118,15 @@ class Recommendation:
 def splits(cfg: TandemConfig) -> list[tuple[int, int]]:
     """``(actors, learner ranks)`` pairs that fill what the config reserves for both together, on
     the resource they use (GPUs when any of them has one, else CPUs). A separately placed critic
-    has one rank per learner rank and counts with it."""
+    has one rank per learner rank and counts with it. A colocated config's shared cores are split
+    with one core per rank (``overlapped_cpus``)."""
     res = cfg.resources
     gpu = bool(res.actors.num_gpus or res.learner.num_gpus)
     per_actor = res.actors.num_gpus if gpu else res.actors.num_cpus
-    per_rank = res.learner.num_gpus if gpu else res.learner.num_cpus
+    per_rank = res.learner.num_gpus if gpu else overlapped_cpus(cfg) or res.learner.num_cpus
     if build_plan(cfg).critic is not None:
         per_rank += res.critic.num_gpus if gpu else res.critic.num_cpus
-    budget = res.actors.count * per_actor + res.learner.ranks * per_rank
+    budget = shared_budget(cfg) or res.actors.count * per_actor + res.learner.ranks * per_rank
     if per_actor <= 0 or per_rank <= 0:  # processes that reserve nothing: only the configured split
         return [(res.actors.count, res.learner.ranks)]
     out = []
@@ -126,14 +138,44 @@ def splits(cfg: TandemConfig) -> list[tuple[int, int]]:
     return out
 
 
+def overlapped_cpus(cfg: TandemConfig) -> float | None:
+    """A learner rank's CPUs in the overlapped probes of a colocated config (one core: the others go to
+    actors); None for an overlapped config (its own ``num_cpus``)."""
+    return 1.0 if cfg.run.schedule == "colocated" else None
+
+
+def shared_budget(cfg: TandemConfig) -> float:
+    """The CPUs of a colocated config's learner ranks, which its actors share (0: not colocated)."""
+    res = cfg.resources
+    return res.learner.ranks * res.learner.num_cpus if cfg.run.schedule == "colocated" else 0.0
+
+
+def colocated_split(cfg: TandemConfig) -> tuple[int, int, float] | None:
+    """``(actors, learner ranks, CPUs per rank)`` of the colocated schedule on the cores the config
+    reserves: one engine per core, the configured ranks sharing the cores evenly. None on GPUs (not
+    built), with a critic or a tensor-parallel engine of its own, or with fewer cores than ranks."""
+    res = cfg.resources
+    if res.actors.num_gpus or res.learner.num_gpus or res.actors.tensor_parallel > 1 or build_plan(cfg).critic:
+        return None
+    cores = shared_budget(cfg) or res.actors.count * res.actors.num_cpus + res.learner.ranks * res.learner.num_cpus
+    if cores < res.learner.ranks or cores < 1:
+        return None
+    return int(cores), res.learner.ranks, cores / res.learner.ranks
+
+
 def probe_settings(cfg: TandemConfig, staleness: list[int], modes: list[str]) -> list[Setting]:
+    layouts = [(actors, ranks, "overlapped", overlapped_cpus(cfg)) for actors, ranks in splits(cfg)]
+    colocated = colocated_split(cfg)
+    if colocated is not None:
+        actors, ranks, cpus = colocated
+        layouts.append((actors, ranks, "colocated", cpus))
     out = []
-    for actors, ranks in splits(cfg):
+    for actors, ranks, schedule, cpus in layouts:
         for k in staleness:
             for mode in modes:
                 if mode != modes[0] and k == 0:
                     continue  # at k = 0 the modes are one: the actors idle while the learner trains
-                out.append(Setting(k, mode, actors, ranks))
+                out.append(Setting(k, mode, actors, ranks, schedule, cpus))
     return out
 
 
@@ -157,7 +199,7 @@ def measure(setting: Setting, run_dir: str) -> Measurement:
 
 def _calmness(m: Measurement) -> tuple:
     s = m.setting
-    return (s.max_staleness, s.weight_update == "inflight", s.actors)
+    return (s.max_staleness, s.weight_update == "inflight", s.schedule == "colocated", s.actors)
 
 
 def _baseline(measured: list[Measurement], configured: tuple[int, int] | None) -> Measurement | None:
@@ -197,7 +239,12 @@ def explain(chosen: Measurement, fastest: Measurement, base: Measurement | None,
             f", {chosen.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x synchronous training ({base.setting.label})"
         )
     text += f", with mismatch KL {chosen.mismatch_kl:.3g} and {chosen.tis_truncated_frac:.1%} of weights truncated."
-    if base is not None:
+    if s.schedule == "colocated":
+        text += (
+            f" The {s.actors} engines and the learner take turns on all the cores (run.schedule: colocated), "
+            "which here beat dividing the cores between them."
+        )
+    elif base is not None:
         if base.learner_idle >= base.actor_idle:
             text += (
                 f" Generation dominates this job (at k=0 the learner waits {base.learner_idle:.0%} of each step), "
@@ -247,6 +294,7 @@ def _probe(config: str, overrides: list[str], setting: Setting, steps: int, root
     from launch.run import run_training
 
     name = f"probe{index}-k{setting.max_staleness}-{setting.weight_update}-a{setting.actors}r{setting.ranks}"
+    name += "-colocated" if setting.schedule == "colocated" else ""
     trial = [
         *overrides,
         *setting.overrides(),

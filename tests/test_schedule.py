@@ -1,0 +1,160 @@
+"""The colocated schedule: placement in shared bundles, and generation and training taking turns.
+
+The turn-taking runs the training loop's own ``collect`` and ``publish`` (``launch/train.py``) with
+the real admission, pace, ledger and batch collector against simulated actors that record when they
+generate; the learner's update is a recorded sleep. Checked: no prompt is generated while the
+learner trains, each phase generates ``max_staleness + 1`` steps' prompts with the version just
+published, only the phase's last version is pushed, and staleness stays within ``max_staleness``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cluster.placement import (
+    PlacementError,
+    check_fits,
+    describe_plan,
+    plan_bundles,
+    ray_options,
+    required_resources,
+    shared_bundles,
+)
+from cluster.timeline import Spans
+from launch.config import load_config
+from launch.plan import build_plan
+from launch.train import collect, publish
+from queues.bounded import LocalQueue
+from queues.messages import TrajectoryGroup
+from queues.prompts import PromptStream
+from runtime.admission import Admission, Pace
+from runtime.collector import BatchCollector
+from runtime.ledger import PromptLedger
+from runtime.schedule import SCHEDULES
+from runtime.stopping import StopRequest
+from tests.fakes import make_trajectory
+
+REQUIRED = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
+COLOCATED = ["run.schedule=colocated", "resources.actors.count=2", "resources.learner.num_cpus=2"]
+
+
+def kinds(*overrides: str) -> list:
+    return build_plan(load_config(None, REQUIRED + list(overrides))).kinds
+
+
+def test_colocated_actors_go_into_the_learner_ranks_bundles_and_count_once():
+    plan = kinds(*COLOCATED)
+    assert [name for name, _ in plan_bundles(plan)] == ["learner-0"]
+    assert shared_bundles(plan) == {"actor-0": "learner-0", "actor-1": "learner-0"}
+    assert required_resources(plan)["CPU"] == 2  # the learner's two cores, shared: not 2 + 2
+    check_fits(plan, {"CPU": 2})
+    # each process of the shared bundle asks a third: together they fit in it
+    asks = [ray_options(k, {})["num_cpus"] * k.count for k in plan]
+    assert sum(asks) <= 2 + 1e-9
+    assert "in learner-0's bundle" in describe_plan(plan, "PACK")
+    # the default stays one bundle per process
+    assert [name for name, _ in plan_bundles(kinds())] == ["actor-0", "learner-0"]
+
+
+def test_colocated_actors_spread_over_the_ranks_and_must_fit_one_rank_bundle():
+    plan = kinds(*COLOCATED, "resources.actors.count=3", "resources.learner.ranks=2")
+    assert shared_bundles(plan) == {"actor-0": "learner-0", "actor-1": "learner-1", "actor-2": "learner-0"}
+    with pytest.raises(PlacementError, match="resources.actors.num_cpus or raise resources.learner.num_cpus"):
+        check_fits(kinds(*COLOCATED, "resources.actors.num_cpus=4"), {"CPU": 8})
+
+
+class Recorder:
+    """What happened when: generation per actor, updates and pushes of the learner."""
+
+    def __init__(self):
+        self.training = False
+        self.generating = 0
+        self.overlaps = 0  # generation work done while the learner trained
+        self.generated: list[tuple[int, int]] = []  # (prompt id, version it was generated with)
+        self.pushed: list[int] = []
+
+
+async def actor(prompts: LocalQueue, results: LocalQueue, rec: Recorder, version: dict, rng: random.Random):
+    while True:
+        got = await prompts.get_batch_async(2, timeout=0.01)
+        for req in got:
+            assert version["v"] >= req.min_version
+            rec.generating += 1
+            for _ in range(rng.choice([1, 2, 5])):
+                rec.overlaps += rec.training
+                await asyncio.sleep(rng.uniform(0, 0.002))
+            rec.generating -= 1
+            rec.generated.append((req.prompt_id, version["v"]))
+            traj = make_trajectory([1], [2, 3], rng.random())
+            traj.policy_versions = np.full(2, version["v"], dtype=np.int32)
+            await results.put_many_async([TrajectoryGroup(req.prompt_id, {}, [traj], "a")], timeout=5)
+
+
+async def run_loop(schedule: str, k: int, steps: int, P: int = 4, seed: int = 0) -> tuple[Recorder, list]:
+    rng, rec, version = random.Random(seed), Recorder(), {"v": 0}
+    prompts, results = LocalQueue("prompt", P * (k + 1)), LocalQueue("results", P * (k + 2))
+    ledger = PromptLedger(PromptStream([{"prompt": str(i)} for i in range(64)], seed=0))
+    admission = Admission(ledger, Pace(P, k), prompts, lambda row: [1], put_timeout_s=5)
+
+    async def publish_weights(v: int):
+        rec.pushed.append(v)
+        version["v"] = v
+        return []
+
+    parts = SimpleNamespace(
+        schedule=SCHEDULES[schedule](admission, k),
+        collector=BatchCollector(results, {}, None, 10, admission=admission),
+        driver_spans=Spans("driver"),
+        health=SimpleNamespace(oversample_reached=lambda *a: None),
+        learner=SimpleNamespace(publish_weights=publish_weights),
+        evaluator=SimpleNamespace(due=lambda done, total: False),
+        admission=admission,
+    )
+    cfg = SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=P), run=SimpleNamespace(steps=steps))
+    run = SimpleNamespace(timeline=lambda spans: None)
+    tasks = [asyncio.create_task(admission.feed())] + [
+        asyncio.create_task(actor(prompts, results, rec, version, rng)) for _ in range(2)
+    ]
+    staleness = []
+    try:
+        for step in range(steps):
+            batch = await collect(cfg, run, parts, StopRequest(print), step)
+            staleness += [step - int(v) for g in batch.groups for t in g.trajectories for v in t.policy_versions]
+            admission.trained(batch.groups)
+            rec.training = True  # the update: the learner uses every core
+            await asyncio.sleep(rng.uniform(0.001, 0.004))
+            rec.training = False
+            await publish(run, parts, step + 1, steps)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return rec, staleness
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_colocated_generation_and_training_take_turns(k):
+    steps, P = 7, 4
+    rec, staleness = asyncio.run(run_loop("colocated", k, steps, P))
+    assert rec.overlaps == 0  # nothing generated while the learner trained
+    # each phase: (k + 1) steps' prompts, all with the version published before it
+    phases = [range(start, min(start + k + 1, steps)) for start in range(0, steps, k + 1)]
+    by_version = {}
+    for prompt_id, v in rec.generated:
+        by_version.setdefault(v, []).append(prompt_id)
+    assert sorted(by_version) == [p.start for p in phases]
+    assert [len(by_version[p.start]) for p in phases] == [len(p) * P for p in phases]
+    # only each phase's last version reaches the actors (the last step's too)
+    assert rec.pushed == [p.stop for p in phases]
+    assert max(staleness) == min(k, steps - 1) and min(staleness) == 0
+
+
+def test_overlapped_generates_beside_training_and_publishes_every_version():
+    rec, staleness = asyncio.run(run_loop("overlapped", 1, 7))
+    assert rec.overlaps > 0
+    assert rec.pushed == list(range(1, 8))
+    assert max(staleness) <= 1
