@@ -4,8 +4,10 @@ The prompts an actor takes from the queue in one call (up to ``rollout.prompts_p
 sampled in one ``generate`` call; before it, the weights those prompts need are fetched from the
 weight channel and loaded (``load_named_weights``: in this process the tensors pass as they are), and
 the prefix cache is reset (cached KV of the old weights would be wrong). Every token of a call is
-sampled with one version. All engine calls run on one thread of their own: vLLM binds its CPU threads
-in the thread that builds it, and the actor's event loop stays free to answer.
+sampled with one version. With ``learner.lora`` a version is a LoRA adapter (``actors/adapters.py``):
+the call names the current one, and the older ones are removed when it is loaded. All engine calls
+run on one thread of their own: vLLM binds its CPU threads in the thread that builds it, and the
+actor's event loop stays free to answer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from actors.adapters import Adapters
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params, turn_params
@@ -50,6 +53,7 @@ class BetweenRequests:
         self.pending: list[tuple[Any, Any, asyncio.Future]] = []  # (prompt, params, answer) of the next generate call
         self.calls: set[asyncio.Task] = set()
         self.seed = spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
+        self.adapters = Adapters(spec.adapter, spec.model_path, spec.name) if spec.adapter else None
 
     async def on_engine(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the engine's thread."""
@@ -97,7 +101,11 @@ class BetweenRequests:
         batch, self.pending = self.pending, []
         try:
             outputs = await self.on_engine(
-                self.llm.generate, [p for p, _, _ in batch], [params for _, params, _ in batch], use_tqdm=False
+                self.llm.generate,
+                [p for p, _, _ in batch],
+                [params for _, params, _ in batch],
+                use_tqdm=False,
+                **self.lora(),
             )
             if len(outputs) != len(batch):
                 raise RuntimeError(f"the engine returned {len(outputs)} outputs for {len(batch)} prompts")
@@ -114,16 +122,31 @@ class BetweenRequests:
 
     async def generate_one(self, prompt, params):
         """One finished output for ``prompt`` (checks and tests)."""
-        return (await self.on_engine(self.llm.generate, [prompt], params, use_tqdm=False))[0]
+        return (await self.on_engine(self.llm.generate, [prompt], params, use_tqdm=False, **self.lora()))[0]
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
+
+    def lora(self) -> dict:
+        """The generate call's adapter argument: the current version's (none with full weights, or at
+        version 0 of an adapter run)."""
+        request = self.adapters.request() if self.adapters is not None else None
+        return {"lora_request": request} if request is not None else {}
 
     # --- weights ------------------------------------------------------------------------
-    def _load(self, named_tensors: list) -> None:
-        self.llm.collective_rpc("load_named_weights", args=(named_tensors,))
+    def _load(self, named_tensors: list, version: int) -> None:
+        if self.adapters is not None:  # an adapter: written for the engine to load; the older ones go
+            self.adapters.add(version, named_tensors)
+            for lora_id in self.adapters.retire():
+                self.llm.llm_engine.remove_lora(lora_id)
+        else:
+            self.llm.collective_rpc("load_named_weights", args=(named_tensors,))
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
 
     async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:
         """Load ``(name, tensor)`` pairs as policy ``version`` (no request runs meanwhile, whatever ``mode``)."""
-        await self.on_engine(self._load, named_tensors)
+        await self.on_engine(self._load, named_tensors, version)
         self.clock.loaded(version)
         return version
 

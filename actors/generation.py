@@ -115,6 +115,7 @@ class GenerationActor:
         finally:
             self.builder.close()  # the reward and environment workers end with the loop
             self.rollout.close()
+            self.engine.close()  # its adapter files, with learner.lora
         return ActorReport(self.spec.name, groups, self.clock.loads, self.spans.take())
 
     def stats(self) -> dict[str, float]:

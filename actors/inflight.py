@@ -7,6 +7,10 @@ each newer version; when one is published the engine pauses keeping its requests
 drops all cached KV (running requests are recomputed under the new weights) and resumes: a long
 generation never blocks an update. Nothing polls: the prompt queue, the weight channel and finished
 generations each wake the actor when they have something.
+
+With ``learner.lora`` a version is a LoRA adapter (``actors/adapters.py``) and nothing pauses: a new
+version serves the requests that start after it, a running request keeps its adapter to the end, and
+all its tokens carry that adapter's version.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import uuid
 from typing import Any
 
+from actors.adapters import Adapters
 from actors.engine_weights import engine_transfer
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
@@ -33,6 +38,7 @@ class InFlight:
     def __init__(self, spec: ActorSpec, clock: PolicyClock, spans: Spans, engine: Any = None):
         self.spec, self.clock, self.spans, self.llm = spec, clock, spans, engine
         self._update_lock = asyncio.Lock()
+        self.adapters = Adapters(spec.adapter, spec.model_path, spec.name) if spec.adapter else None
 
     async def start(self) -> None:
         if self.llm is None:
@@ -65,23 +71,44 @@ class InFlight:
 
     async def _stream(self, prompt, params) -> tuple[list[int], Completion]:
         ids, logprobs, prompt_ids, finish, spans = [], [], None, "stop", None
-        async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
-            prompt_ids = prompt_ids or list(out.prompt_token_ids)
-            delta = out.outputs[0]
-            new = list(delta.token_ids)
-            ids += new
-            logprobs += [step[tok].logprob for tok, step in zip(new, delta.logprobs or [])]
-            if out.finished:
-                finish = "length" if delta.finish_reason == "length" else "stop"
-                spans = getattr(delta, "weight_versions", None)
-        return prompt_ids, Completion(ids, logprobs, token_versions(spans, len(ids)), finish)
+        version = lora = None
+        if self.adapters is not None:  # the current adapter, kept to the request's end
+            version = self.clock.version
+            lora = self.adapters.request(version)
+            self.adapters.using(version)
+        try:
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **_lora(lora)):
+                prompt_ids = prompt_ids or list(out.prompt_token_ids)
+                delta = out.outputs[0]
+                new = list(delta.token_ids)
+                ids += new
+                logprobs += [step[tok].logprob for tok, step in zip(new, delta.logprobs or [])]
+                if out.finished:
+                    finish = "length" if delta.finish_reason == "length" else "stop"
+                    spans = getattr(delta, "weight_versions", None)
+        finally:
+            if version is not None:
+                self.adapters.using(version, -1)
+        if version is None:
+            return prompt_ids, Completion(ids, logprobs, token_versions(spans, len(ids)), finish)
+        await self._retire_adapters()
+        return prompt_ids, Completion(ids, logprobs, [version] * len(ids), finish)
 
     async def generate_one(self, prompt, params):
         """One finished output for ``prompt`` (checks and tests)."""
         final = None
-        async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+        lora = self.adapters.request() if self.adapters is not None else None
+        async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **_lora(lora)):
             final = out
         return final
+
+    async def _retire_adapters(self) -> None:
+        for lora_id in self.adapters.retire():
+            await self.llm.remove_lora(lora_id)
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
 
     # --- weights ------------------------------------------------------------------------
     async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:
@@ -91,6 +118,13 @@ class InFlight:
         async with self._update_lock:
             if version <= self.clock.version:
                 return self.clock.version
+            if self.adapters is not None:  # nothing pauses: requests from now on use the new adapter
+                wall = time.time()
+                await asyncio.to_thread(self.adapters.add, version, named_tensors)
+                self.clock.loaded(version)
+                await self._retire_adapters()
+                self.spans.add("load_weights", wall, time.time(), version)
+                return version
             start, wall = time.monotonic(), time.time()
             packed, keep = self.transfer.pack(named_tensors)  # `keep`: what the handles point at
             await self.llm.pause_generation(mode=mode, clear_cache=True)
@@ -221,6 +255,11 @@ def token_versions(spans, n: int) -> list[int]:
     if spans[0].start != 0 or spans[-1].end != n:
         raise RuntimeError(f"the engine's weight-version spans cover [{spans[0].start}, {spans[-1].end}) of {n} tokens")
     return versions
+
+
+def _lora(request) -> dict:
+    """A generate call's adapter argument (none without one)."""
+    return {"lora_request": request} if request is not None else {}
 
 
 def _cuda() -> bool:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from actors.adapters import AdapterSpec
 from actors.config import EngineConfig, RewardConfig, RolloutConfig
 from queues.messages import PromptRequest
 
@@ -30,6 +31,7 @@ class ActorSpec:
     timeline: bool = True  # record spans for RUN_DIR/timeline.jsonl (run.timeline)
     chat_template: str | None = None  # data.chat_template's file text (episodes render their own turns)
     system_prompt: str | None = None  # data.system_prompt: an episode's first message when reset() gives none
+    adapter: AdapterSpec | None = None  # learner.lora: the policy's versions arrive as LoRA adapters
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
         # shard workers as child processes of this actor, on the GPUs (or cores) Ray gave it;
         # inside a Ray actor vLLM would otherwise pick its Ray executor and ask for new bundles
         **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
+        **(spec.adapter.engine_kwargs() if spec.adapter is not None else {}),
         **device,
     )
 

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from actors.adapters import AdapterSpec
 from cluster import reaper
 from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
 from launch.config import ModelConfig, TandemConfig
@@ -210,8 +211,16 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         timeline=cfg.run.timeline,
         chat_template=episode_template(cfg.data.chat_template),
         system_prompt=cfg.data.system_prompt,
+        adapter=adapter_spec(cfg),
     )
     return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
+
+
+def adapter_spec(cfg: TandemConfig) -> AdapterSpec | None:
+    """What the actors need to serve ``learner.lora``'s adapters: their shape, and a slot for each version
+    that may still be generating (``run.max_staleness + 1``)."""
+    lora = cfg.learner.lora
+    return None if lora is None else AdapterSpec(lora.rank, lora.alpha, slots=cfg.run.max_staleness + 1)
 
 
 def episode_template(chat_template: str) -> str | None:

@@ -23,6 +23,19 @@ from schema import Section
 METHOD_NAMES = tuple(METHODS)
 
 
+class LoraConfig(Section):
+    rank: int = Field(16, gt=0, description="LoRA rank r of each adapted weight (vLLM serves ranks up to 512).")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: an adapted weight is W + (alpha / r) B A.")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get an adapter: names (e.g. [q_proj, v_proj]) or all-linear (every linear layer but "
+        "the output head).",
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapters' input while training (the sampler has none: keep 0)."
+    )
+
+
 class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -59,6 +72,11 @@ class LearnerConfig(Section):
     )
     collective_timeout_s: float = Field(
         600, gt=0, description="Deadline of one collective between learner ranks (torch's default is 30 minutes)."
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters instead of the whole policy (docs/lora.md): only they train and travel to "
+        "the actors, which serve them with vLLM's LoRA support; model/ is saved merged, the adapter in model/adapter/.",
     )
 
 

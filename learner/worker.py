@@ -31,6 +31,7 @@ from learner import saving
 from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
+from learner.lora import adapter_weights, is_peft, merge_lora, save_adapter, with_lora
 from learner.rank import Layout, Models, RankStep, Sampled
 from learner.schedule import lr_factor
 from learner.shard import RankShard
@@ -115,6 +116,7 @@ class LearnerWorker:
         self.publisher: WeightPublisher | None = None
         self.spans = Spans(name or f"learner-{rank}")  # returned by publish_weights, once a step
         self._listener = None  # rank 0: the socket its group store will serve on (rendezvous_address)
+        self._published = False  # rank 0 has said what a published version holds
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port listening there only (kept for ``setup``, where rank 0 serves the
@@ -162,6 +164,8 @@ class LearnerWorker:
             model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32, **attn)
             if spec.learner.gradient_checkpointing:
                 enable_gradient_checkpointing(model)
+            if spec.learner.lora is not None:
+                model = with_lora(model, spec.learner.lora)  # the base frozen: only the adapters train
             models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype, spec.total_updates)
         if "critic" in roles:
             critic = spec.algorithm.critic
@@ -221,9 +225,8 @@ class LearnerWorker:
         import deepspeed
         import torch
 
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=tuple(learner.betas), weight_decay=learner.weight_decay
-        )
+        trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
+        optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(learner.betas), weight_decay=learner.weight_decay)
         factor = functools.partial(
             lr_factor,
             kind=learner.lr_schedule,
@@ -287,7 +290,10 @@ class LearnerWorker:
         """Every rank of the group: the DeepSpeed state of the models this process trains."""
         saving.save_engines(self._engines(), directory, {"rng": saving.rng_state()})
         if self.rank == 0 and self.policy is not None:
-            saving.save_hf_files(self.policy.module, self.model_path, os.path.join(directory, "hf"))
+            module = self.policy.module
+            saving.save_hf_files(module, self.model_path, os.path.join(directory, "hf"))
+            if is_peft(module):  # its rank and alpha: what `tandem export` merges the adapter with
+                module.peft_config["default"].save_pretrained(os.path.join(directory, "hf"))
 
     def load_checkpoint(self, directory: str) -> None:
         state = saving.load_engines(self._engines(), directory)
@@ -297,9 +303,18 @@ class LearnerWorker:
         """Every policy rank (ZeRO-3 gathers); rank 0 writes the Hugging Face model directory."""
         if self.policy is None:
             return
-        named = self.export_weights(copy=False)
+        module = self.policy.module
+        if not is_peft(module):
+            named = self.export_weights(copy=False)
+            if self.rank == 0:
+                saving.save_hf_model(module, named, self.model_path, directory)
+            return
+        everything = self._gather(lambda name: True)  # LoRA: the base merged, and the adapter beside it
         if self.rank == 0:
-            saving.save_hf_model(self.policy.module, named, self.model_path, directory)
+            config = module.peft_config["default"]
+            merged = merge_lora(dict(everything), config.r, config.lora_alpha)
+            saving.save_hf_model(module.get_base_model(), list(merged.items()), self.model_path, directory)
+            save_adapter(module, adapter_weights(everything), os.path.join(directory, "adapter"))
 
     # --- the weights' way out ---------------------------------------------------------------
     def open_weight_publisher(
@@ -316,6 +331,14 @@ class LearnerWorker:
         with self.spans.span("publish"):
             named = self.export_weights(copy=False)  # publish copies them out before returning
             if self.rank == 0:
+                if not self._published:
+                    size = sum(t.numel() * t.element_size() for _, t in named)
+                    what = "the LoRA adapter" if is_peft(self.policy.module) else "the whole policy"
+                    print(
+                        f"[learner 0] each version published: {what}, {len(named)} tensors, {size / 1e6:.2f} MB",
+                        flush=True,
+                    )
+                    self._published = True
                 self.publisher.publish(version, named)
         return self.take_spans(version)
 
@@ -329,12 +352,15 @@ class LearnerWorker:
             self.publisher.close()
 
     def export_weights(self, copy: bool = True) -> list | None:
-        """(HF name, CPU tensor) pairs on rank 0, None elsewhere. Every rank must call it
-        (under ZeRO-3 gathering the shards is a collective)."""
+        """(HF name, CPU tensor) pairs on rank 0, None elsewhere: the policy's weights, or with
+        ``learner.lora`` its adapter's (PEFT's names). Every rank must call it (under ZeRO-3 gathering
+        the shards is a collective)."""
         import deepspeed
         import torch
 
         module = self.policy.module
+        if is_peft(module):
+            return adapter_weights(self._gather(lambda name: ".lora_" in name, copy))
         with torch.no_grad():
             if self.zero_stage == 3:
                 named = []
@@ -347,3 +373,18 @@ class LearnerWorker:
                 return None
             # copy=False: views of the live parameters (on CPU), valid until the next step.
             return [(name, t.detach().to("cpu", copy=copy)) for name, t in module.state_dict().items()]
+
+    def _gather(self, wanted, copy: bool = True) -> list | None:
+        """(name, CPU tensor) of the policy's parameters whose name ``wanted`` accepts, on rank 0 (None
+        elsewhere); under ZeRO-3 every rank gathers them together."""
+        import deepspeed
+        import torch
+
+        params = [(name, p) for name, p in self.policy.module.named_parameters() if wanted(name)]
+        with torch.no_grad():
+            if self.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                    return [(n, p.detach().to("cpu", copy=True)) for n, p in params] if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            return [(n, p.detach().to("cpu", copy=copy)) for n, p in params]

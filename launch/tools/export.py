@@ -1,8 +1,9 @@
 """``tandem export RUN_DIR [--step N] --out DIR``: a run's policy as a Hugging Face model directory.
 
 From the checkpoint of step N (default: the newest intact one): its ``model/`` when it has one,
-else the weights merged from its DeepSpeed state (``learner/saving.py``, every ZeRO stage) with
-the config and tokenizer stored beside them. Runs in this process: no Ray, no GPU.
+else the weights merged from its DeepSpeed state (``learner/saving.py``, every ZeRO stage; a LoRA
+run's adapter merged into its base, ``learner/lora.py``) with the config and tokenizer stored beside
+them. Runs in this process: no Ray, no GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _from_deepspeed(checkpoint: Path, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from learner.lora import adapter_shape, is_lora_state, merge_lora
     from learner.saving import fp32_state_dict
 
     if out.exists() and any(out.iterdir()):
@@ -55,6 +57,8 @@ def _from_deepspeed(checkpoint: Path, out: Path) -> Path:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = fp32_state_dict(checkpoint)
+    if is_lora_state(state):  # a learner.lora run: the base with the adapter merged in
+        state = merge_lora(state, *adapter_shape(hf))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

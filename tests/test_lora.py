@@ -1,0 +1,129 @@
+"""LoRA (``learner.lora``): the merge by hand and against PEFT, the adapter's way to the actors, the config.
+
+The merge is ``W + (alpha / r) B A``; checked on a 2x3 weight by hand, then against PEFT's own
+``merge_and_unload`` on the tiny model with non-zero adapters. The actors write each published adapter
+as a PEFT directory (``actors/adapters.py``): PEFT loads it back to the same logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.adapters import Adapters, AdapterSpec, published_targets
+from launch.config import ConfigError, load_config
+from learner.config import LoraConfig
+from learner.lora import adapter_weights, is_lora_state, merge_lora, saved_name, with_lora
+
+REQUIRED = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
+
+
+def test_merge_by_hand():
+    w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    a = torch.tensor([[1.0, 0.0, -1.0]])  # r = 1: [r, in]
+    b = torch.tensor([[2.0], [0.5]])  # [out, r]
+    state = {
+        "base_model.model.layer.proj.base_layer.weight": w,
+        "base_model.model.layer.proj.base_layer.bias": torch.tensor([7.0, 8.0]),
+        "base_model.model.layer.proj.lora_A.default.weight": a,
+        "base_model.model.layer.proj.lora_B.default.weight": b,
+        "base_model.model.norm.weight": torch.tensor([1.0]),
+    }
+    merged = merge_lora(state, rank=1, alpha=4.0)  # scale 4
+    # B A = [[2, 0, -2], [0.5, 0, -0.5]]; x 4 = [[8, 0, -8], [2, 0, -2]]
+    assert torch.equal(merged["layer.proj.weight"], torch.tensor([[9.0, 2.0, -5.0], [6.0, 5.0, 4.0]]))
+    assert torch.equal(merged["layer.proj.bias"], torch.tensor([7.0, 8.0]))
+    assert set(merged) == {"layer.proj.weight", "layer.proj.bias", "norm.weight"}
+    assert is_lora_state(state) and not is_lora_state(merged)
+
+
+@pytest.fixture(scope="module")
+def peft_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = with_lora(base, LoraConfig(rank=4, alpha=8.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)  # PEFT starts B at 0: the adapter would change nothing
+    return model
+
+
+def test_only_the_adapters_train_and_travel(peft_model):
+    trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    from peft import get_peft_model_state_dict
+
+    published = dict(adapter_weights(list(peft_model.named_parameters())))
+    assert set(published) == set(get_peft_model_state_dict(peft_model))  # the names PEFT saves, vLLM reads
+    assert published_targets(list(published)) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    assert saved_name("x.q_proj.lora_A.default.weight") == "x.q_proj.lora_A.weight"
+
+
+def test_merged_weights_equal_peft_merge_and_unload(peft_model, tiny_model_dir):
+    import copy
+
+    merged = merge_lora(dict(peft_model.state_dict()), rank=4, alpha=8.0)
+    reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    # and the merge changed the adapted weights (B != 0)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])
+
+
+def test_an_actor_writes_an_adapter_peft_loads_to_the_same_logits(peft_model, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapters = Adapters(AdapterSpec(rank=4, alpha=8.0, slots=2), tiny_model_dir, "actor-test")
+    try:
+        assert adapters.request() is None  # version 0: the base model
+        adapters.add(3, adapter_weights(list(peft_model.named_parameters())))
+        request = adapters.request()
+        assert (request.lora_name, request.lora_int_id) == ("policy-v3", 4)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        loaded = PeftModel.from_pretrained(base, request.lora_path)
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+        # a newer version: the old one retires once no request uses it
+        adapters.using(3)
+        adapters.add(4, adapter_weights(list(peft_model.named_parameters())))
+        assert adapters.retire() == []  # a request still generates with version 3
+        adapters.using(3, -1)
+        assert adapters.retire() == [4]  # version 3's LoRA id
+        with pytest.raises(ValueError, match="not a LoRA adapter"):
+            adapters.add(5, [("model.norm.weight", torch.ones(2))])
+    finally:
+        adapters.close()
+    assert not adapters.root.exists()
+
+
+def test_vllm_ranks_and_config():
+    assert AdapterSpec(4, 8.0, 2).engine_kwargs()["max_lora_rank"] == 8  # padded to what vLLM serves
+    assert AdapterSpec(16, 8.0, 3).engine_kwargs() == {
+        "enable_lora": True, "max_loras": 3, "max_cpu_loras": 3, "max_lora_rank": 16,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="up to 512"):
+        AdapterSpec(600, 8.0, 2).engine_kwargs()
+    cfg = load_config(None, [*REQUIRED, "learner.lora.rank=8", "learner.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.learner.lora.rank == 8 and cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
+    assert load_config(None, REQUIRED).learner.lora is None
+    with pytest.raises(ConfigError, match="learner.lora.rank"):
+        load_config(None, [*REQUIRED, "learner.lora.rank=0"])
