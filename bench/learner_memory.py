@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -143,10 +142,7 @@ def _child(model_path: str, n: int, vocab: int, scheme: str, repeats: int, seed:
     algorithm = AlgorithmConfig()  # GRPO: one update per batch, no reference, no scoring pass
     spec = RankSpec(model_path, learner, algorithm, "float32", seed, max_tokens=n)
     worker = LearnerWorker(0, 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker._init_distributed("127.0.0.1", port, False, learner.collective_timeout_s)
+    worker.join_alone()
     cuda = torch.cuda.is_available()  # the rank's own choice (on this CPU: sdpa)
     attention = select_attention(learner.attention, cuda, cuda and flash_attn_importable(), spec.dtype)
     worker.build(spec, attention)

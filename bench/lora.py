@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -109,10 +108,7 @@ def learner_child(model: str, rank: int, tokens: int, sequences: int, pushes: in
     algorithm = AlgorithmConfig()
     spec = RankSpec(model, learner, algorithm, "float32", 0, max_tokens=tokens)
     worker = LearnerWorker(0, 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker._init_distributed("127.0.0.1", port, False, learner.collective_timeout_s)
+    worker.join_alone()
     worker.build(spec, select_attention("auto", False, False, "float32"))
     group = LearnerGroup([LocalActor(worker)], algorithm, learner.token_budget, tokens)
     groups = _groups(tokens, sequences, 0)

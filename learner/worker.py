@@ -192,6 +192,15 @@ class LearnerWorker:
             flush=True,
         )
 
+    def join_alone(self, timeout_s: float = 600) -> None:
+        """A group of this one rank on this host: benches and checks that build a rank in-process, without
+        Ray (``nccl`` with a GPU, ``gloo`` without, as a run's ranks)."""
+        import torch
+
+        self._listener = listening_socket("127.0.0.1")
+        host, port = self._listener.getsockname()[:2]
+        self._init_distributed(host, port, torch.cuda.is_available(), timeout_s)
+
     def _init_distributed(self, master_addr: str, master_port: int, cuda: bool, timeout_s: float) -> None:
         os.environ.update(
             MASTER_ADDR=master_addr,

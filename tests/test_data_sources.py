@@ -96,6 +96,13 @@ def test_missing_files_unknown_suffixes_and_unreachable_names_are_one_line(tmp_p
         read_rows(str(tmp_path / "p.txt"), Fields())
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # the libraries read those variables when first imported: set what they read, or the lookup waits
+    # out its network retries (24 s here) before failing the same way
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     with pytest.raises(DatasetError) as err:
         read_rows("openai/gsm8k", Fields(prompt="question"), subset="main")
     message = str(err.value)
