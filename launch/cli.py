@@ -176,6 +176,9 @@ def _add_tuning(sub) -> None:
     tu.add_argument("--out", help="YAML file of the recommended overrides (default: TUNE_DIR/overrides.yaml)")
     tu.add_argument("--staleness", default="0,1,2,4", help="max_staleness values to probe (default 0,1,2,4)")
     tu.add_argument("--modes", default="between_requests,inflight", help="rollout.weight_update modes to probe")
+    tu.add_argument(
+        "--schedules", default="overlapped,colocated", help="run.schedule values to probe (colocated: CPUs only)"
+    )
     tu.add_argument("--max-tis-truncated", type=float, default=0.05, help="threshold: TIS truncated share (0.05)")
     tu.add_argument("--max-mismatch-kl", type=float, default=0.02, help="threshold: sampler/learner KL (0.02)")
     tu.add_argument("--max-dropped", type=float, default=0.10, help="threshold: dropped-stale per group (0.10)")
@@ -294,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             from launch.tools.tune import Thresholds, run_tune
 
             limits = Thresholds(args.max_tis_truncated, args.max_mismatch_kl, args.max_dropped)
-            return run_tune(args.config, args.overrides, args.steps, args.out, args.staleness, args.modes, limits)
+            return run_tune(
+                args.config, args.overrides, args.steps, args.out, args.staleness, args.modes, limits, args.schedules
+            )
         config = DEMO_CONFIG if args.command == "demo" else args.config
         resume = getattr(args, "resume", None)
         if config is None and resume is None:

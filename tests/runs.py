@@ -47,6 +47,22 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_spans(out_dir: Path) -> list[dict]:
+    """The run's timeline (``timeline.jsonl``)."""
+    return [json.loads(line) for line in (run_dir(out_dir) / "timeline.jsonl").read_text().splitlines()]
+
+
+def overlapping(spans: list[dict], a: tuple[str, ...], b: tuple[str, ...]) -> list[tuple[dict, dict]]:
+    """Pairs of spans, one of a kind in ``a`` and one of a kind in ``b``, whose times intersect."""
+    first = [s for s in spans if s["kind"] in a]
+    second = [s for s in spans if s["kind"] in b]
+    return [(x, y) for x in first for y in second if x["start"] < y["end"] and y["start"] < x["end"]]
+
+
+# The colocated schedule on two cores: an engine per core, the learner rank on both (docs/schedules.md)
+COLOCATED = ("run.schedule=colocated", "resources.actors.count=2", "resources.learner.num_cpus=2")
+
+
 def read_summary(out_dir: Path) -> dict:
     return json.loads((run_dir(out_dir) / "summary.json").read_text())
 

@@ -3,7 +3,10 @@
 It trains the demo's built-in task through ``tandem train`` (in-process), with a reward
 function that wraps the task's and raises on some prompts, and checks that the reward
 rises, that every trained token respected the staleness bound, that the failures were
-counted while the run went on, and that the run directory holds what it promises.
+counted while the run went on, and that the run directory holds what it promises. One run
+is the colocated schedule with updates between requests (two engines and the learner taking
+turns on the two cores: its timeline has no generation beside training), the other the
+overlapped schedule with in-flight updates.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.runs import DEMO, read_metrics, read_summary, run_dir, train
+from tests.runs import COLOCATED, DEMO, overlapping, read_metrics, read_spans, read_summary, run_dir, train
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("k", "weight_update"), [(1, "between_requests"), (2, "inflight")])
-def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_path, tiny_model_dir, capsys):
+@pytest.mark.parametrize(
+    ("k", "weight_update", "schedule"), [(1, "between_requests", "colocated"), (2, "inflight", "overlapped")]
+)
+def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, schedule, tmp_path, tiny_model_dir, capsys):
     task = yaml.safe_load(DEMO.read_text())["reward"]["function"]
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(
@@ -38,6 +43,7 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
         f"run.steps={steps}",
         f"run.max_staleness={k}",
         f"rollout.weight_update={weight_update}",
+        *(COLOCATED if schedule == "colocated" else ()),
     )
     out = capsys.readouterr().out
     assert code == 0, out
@@ -47,7 +53,9 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, tmp_
     # Every trained token was generated at most k versions before the step that trained it.
     assert all(m["staleness_max"] <= k for m in metrics)
     assert all(int(s) <= k for m in metrics for s in m["staleness_hist"])
-    assert any(m["staleness_max"] >= 1 for m in metrics)  # and the run really overlapped
+    assert any(m["staleness_max"] >= 1 for m in metrics)  # and generation really ran ahead
+    if schedule == "colocated":  # ahead, but never beside the learner's work
+        assert overlapping(read_spans(runs), ("generate",), ("score", "train")) == []
     assert all(0 < m["learner/tis_ess"] <= 1 for m in metrics)  # importance weights were applied
 
     rewards = [m["reward_mean"] for m in metrics]

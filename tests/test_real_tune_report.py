@@ -1,7 +1,8 @@
 """``tandem tune`` on the real stack, then ``tandem report`` of its probes, opened in Chromium.
 
-Two probes of the demo (k = 0 and k = 1, updates between requests, 4 steps each) train for
-real: each writes a run directory with a timeline. The tuner's table, its recommendation and
+Two probes of the demo (k = 0, updates between requests, 4 steps each: the overlapped schedule with
+one actor and one learner core, and the colocated one with two engines taking turns with the learner on
+both cores) train for real: each writes a run directory with a timeline. The tuner's table, its recommendation and
 the overrides file it writes are checked against what the probes recorded; the overrides
 load with the job's config as ``tandem train --config job --config overrides`` would. Then
 the two probes' report opens in a real headless browser with no errors (its screenshot is kept
@@ -36,7 +37,7 @@ def test_tune_probes_the_demo_recommends_and_its_report_renders(tmp_path, tiny_m
             "--steps",
             "4",
             "--staleness",
-            "0,1",
+            "0",
             "--modes",
             "between_requests",
             f"model.path={tiny_model_dir}",
@@ -50,18 +51,19 @@ def test_tune_probes_the_demo_recommends_and_its_report_renders(tmp_path, tiny_m
     (root,) = out.glob("tune-demo-*")
     tune = json.loads((root / "tune.json").read_text())
     measured = tune["measurements"]
-    assert [(m["setting"]["max_staleness"], m["error"]) for m in measured] == [(0, None), (1, None)]
+    assert [(m["setting"]["schedule"], m["error"]) for m in measured] == [("overlapped", None), ("colocated", None)]
     assert all(m["tokens_per_s"] > 0 and 0 <= m["learner_idle"] <= 1 and 0 <= m["actor_idle"] <= 1 for m in measured)
-    assert measured[0]["mismatch_kl"] < 1e-3  # k = 0: the sampler's policy is the learner's (numerics only)
-    assert "k=0, between requests, 1:1" in printed and "k=1, between requests, 1:1" in printed  # the table
+    assert all(m["mismatch_kl"] < 1e-3 for m in measured)  # k = 0: the sampler's policy is the learner's (numerics)
+    assert "k=0, between requests, 1:1" in printed and "k=0, between requests, 2:1, colocated" in printed  # the table
     assert "<- recommended" in printed and "train with: tandem train --config" in printed
 
     overrides = root / "overrides.yaml"
     cfg = load_config([str(DEMO), str(overrides)], [f"model.path={tiny_model_dir}"])
     fastest = max(measured, key=lambda m: m["tokens_per_s"])
-    chosen = [m for m in measured if m["setting"]["max_staleness"] == cfg.run.max_staleness]
+    chosen = [m for m in measured if m["setting"]["schedule"] == cfg.run.schedule]
     assert chosen and chosen[0]["tokens_per_s"] >= 0.9 * fastest["tokens_per_s"]  # within the tie margin
-    assert cfg.rollout.weight_update == "between_requests" and cfg.resources.actors.count == 1
+    assert cfg.rollout.weight_update == "between_requests" and cfg.run.max_staleness == 0
+    assert cfg.resources.actors.count == chosen[0]["setting"]["actors"]
 
     probes = sorted(Path(m["run_dir"]) for m in measured)
     for probe in probes:
@@ -69,6 +71,7 @@ def test_tune_probes_the_demo_recommends_and_its_report_renders(tmp_path, tiny_m
         kinds = {(s["process"], s["kind"]) for s in spans}
         assert {
             ("actor-0", "generate"),
+            *((("actor-1", "generate"),) if "colocated" in probe.name else ()),
             ("learner-0", "train"),
             ("learner-0", "publish"),
             ("driver", "wait_data"),

@@ -163,9 +163,13 @@ def colocated_split(cfg: TandemConfig) -> tuple[int, int, float] | None:
     return int(cores), res.learner.ranks, cores / res.learner.ranks
 
 
-def probe_settings(cfg: TandemConfig, staleness: list[int], modes: list[str]) -> list[Setting]:
-    layouts = [(actors, ranks, "overlapped", overlapped_cpus(cfg)) for actors, ranks in splits(cfg)]
-    colocated = colocated_split(cfg)
+def probe_settings(
+    cfg: TandemConfig, staleness: list[int], modes: list[str], schedules: tuple[str, ...] = ("overlapped", "colocated")
+) -> list[Setting]:
+    layouts = []
+    if "overlapped" in schedules:
+        layouts += [(actors, ranks, "overlapped", overlapped_cpus(cfg)) for actors, ranks in splits(cfg)]
+    colocated = colocated_split(cfg) if "colocated" in schedules else None
     if colocated is not None:
         actors, ranks, cpus = colocated
         layouts.append((actors, ranks, "colocated", cpus))
@@ -340,6 +344,7 @@ def run_tune(
     staleness: str,
     modes: str,
     limits: Thresholds = Thresholds(),
+    schedules: str = "overlapped,colocated",
 ) -> int:
     """The ``tandem tune`` command: probe, print the table and the recommendation, write the overrides."""
     from rich.console import Console
@@ -358,7 +363,16 @@ def run_tune(
     path = Path(out) if out else None
     if path is not None and not path.parent.is_dir():
         raise ConfigError(f"--out {path}: the directory {path.parent} does not exist; create it or pick another")
-    settings = probe_settings(cfg, sorted(set(ks)), mode_list)
+    schedule_list = tuple(x.strip() for x in schedules.split(",") if x.strip())
+    bad = [x for x in schedule_list if x not in ("overlapped", "colocated")] or ([] if schedule_list else [schedules])
+    if bad:
+        raise ConfigError(f"--schedules {','.join(bad)!r}: give overlapped and/or colocated, comma-separated")
+    settings = probe_settings(cfg, sorted(set(ks)), mode_list, schedule_list)
+    if not settings:
+        raise ConfigError(
+            "--schedules colocated: the colocated schedule is probed on CPUs only (not with GPUs, a separate critic "
+            "or tensor-parallel engines); add overlapped"
+        )
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     root, suffix = Path(cfg.run.output_dir) / f"tune-{cfg.run.name}-{stamp}", 1
     while root.exists():  # two tunes started in the same second
