@@ -35,6 +35,17 @@ class LoraConfig(Section):
         0.0, ge=0, lt=1, description="Dropout on the adapters' input while training (the sampler has none: keep 0)."
     )
 
+    @model_validator(mode="after")
+    def _served_modules(self) -> LoraConfig:
+        names = [self.target_modules] if isinstance(self.target_modules, str) else self.target_modules
+        unserved = [n for n in names if n.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")]
+        if unserved:
+            raise ValueError(
+                f"learner.lora.target_modules: vLLM serves no adapter on {', '.join(unserved)} (the output head and "
+                "the embeddings); adapt the linear layers (all-linear, or names such as q_proj, v_proj)"
+            )
+        return self
+
 
 class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")

@@ -127,3 +127,9 @@ def test_vllm_ranks_and_config():
     assert load_config(None, REQUIRED).learner.lora is None
     with pytest.raises(ConfigError, match="learner.lora.rank"):
         load_config(None, [*REQUIRED, "learner.lora.rank=0"])
+
+
+def test_modules_vllm_serves_no_adapter_on_are_refused():
+    for bad in ("learner.lora.target_modules=[q_proj,lm_head]", "learner.lora.target_modules=embed_tokens"):
+        with pytest.raises(ConfigError, match="vLLM serves no adapter on"):
+            load_config(None, [*REQUIRED, bad])
