@@ -77,6 +77,10 @@ class Adapters:
 
     def add(self, version: int, named: list) -> None:
         """Write ``version``'s adapter; requests made from now on use it."""
+        self.activate(version, self.write(version, named))
+
+    def write(self, version: int, named: list):
+        """``version``'s adapter directory and its LoRARequest; changes nothing else (a thread may run it)."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -92,7 +96,11 @@ class Adapters:
         save_file(tensors, str(directory / "adapter_model.safetensors"))
         config = adapter_config(self.spec, self.base_model, published_targets(list(tensors)))
         (directory / "adapter_config.json").write_text(json.dumps(config))
-        self.requests[version] = LoRARequest(f"policy-v{version}", version + 1, str(directory))
+        return LoRARequest(f"policy-v{version}", version + 1, str(directory))
+
+    def activate(self, version: int, request) -> None:
+        """Requests made from now on use ``version``'s adapter (``request``, from ``write``)."""
+        self.requests[version] = request
         self.current = version
 
     def request(self, version: int | None = None):
@@ -106,7 +114,7 @@ class Adapters:
     def retire(self) -> list[int]:
         """Forget every adapter that is not current and has no request generating with it; their
         directories are deleted. Returns their LoRA ids, for the engine to remove."""
-        gone = [v for v in self.requests if v != self.current and self.users.get(v, 0) <= 0]
+        gone = [v for v in list(self.requests) if v != self.current and self.users.get(v, 0) <= 0]
         ids = []
         for version in gone:
             ids.append(self.requests.pop(version).lora_int_id)

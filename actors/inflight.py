@@ -96,10 +96,16 @@ class InFlight:
 
     async def generate_one(self, prompt, params):
         """One finished output for ``prompt`` (checks and tests)."""
-        final = None
-        lora = self.adapters.request() if self.adapters is not None else None
-        async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **_lora(lora)):
-            final = out
+        final, version = None, self.clock.version
+        lora = self.adapters.request(version) if self.adapters is not None else None
+        if lora is not None:
+            self.adapters.using(version)
+        try:
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **_lora(lora)):
+                final = out
+        finally:
+            if lora is not None:
+                self.adapters.using(version, -1)
         return final
 
     async def _retire_adapters(self) -> None:
@@ -120,7 +126,8 @@ class InFlight:
                 return self.clock.version
             if self.adapters is not None:  # nothing pauses: requests from now on use the new adapter
                 wall = time.time()
-                await asyncio.to_thread(self.adapters.add, version, named_tensors)
+                request = await asyncio.to_thread(self.adapters.write, version, named_tensors)  # files only
+                self.adapters.activate(version, request)  # on the loop, with the clock: no request between
                 self.clock.loaded(version)
                 await self._retire_adapters()
                 self.spans.add("load_weights", wall, time.time(), version)

@@ -157,9 +157,16 @@ def check_shares(kinds: list[ProcessKind]) -> None:
         for resource, need, have in (("CPU", k.num_cpus, host.num_cpus), ("GPU", k.num_gpus, host.num_gpus)):
             if need > have + 1e-9:
                 raise PlacementError(
-                    f"a {k.label} asks {need:g} {resource}s and shares a {host.label}'s bundle of {have:g} "
+                    f"each {k.label} asks {need:g} {resource}s and shares a {host.label}'s bundle of {have:g} "
                     f"(run.schedule=colocated): lower {k.section}.num_{resource.lower()}s or raise "
                     f"{host.section}.num_{resource.lower()}s"
+                )
+        for resource, need in k.custom.items():
+            if need > host.custom.get(resource, 0.0) + 1e-9:
+                raise PlacementError(
+                    f"each {k.label} asks {need:g} of custom resource '{resource}' and shares a {host.label}'s bundle, "
+                    f"which has {host.custom.get(resource, 0.0):g} (run.schedule=colocated): give "
+                    f"{host.section}.custom the same resources"
                 )
 
 

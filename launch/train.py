@@ -20,6 +20,7 @@ stops and says why (``runtime/health.py``). The parts are built in ``launch/asse
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 from cluster.channel import WeightsTimeout
@@ -115,13 +116,14 @@ async def train(
 async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: StopRequest, feeding) -> None:
     """One step per iteration, each part a named call; stops at a step boundary on a stop request."""
     learner, progress, steps = parts.learner, parts.progress, cfg.run.steps
-    step_s = 0.0
+    step_s, recent = 0.0, collections.deque(maxlen=cfg.run.max_staleness + 1)  # the last phase's step times
     if progress.done == 0 and parts.evaluator.due(0, steps):
         parts.evaluator.start(0, version=0)  # the starting point, generated beside the first batches
     try:
         for step in range(progress.done, steps):
             parts.evaluator.check_sending()
-            if stop.requested or stop.time_is_short(step_s, progress.checkpoint_s):
+            # the next step may start a colocated generation phase: the longest step of the last phase
+            if stop.requested or stop.time_is_short(max(recent, default=0.0), progress.checkpoint_s):
                 break
             t0 = time.monotonic()
             batch = await collect(cfg, run, parts, stop, step)
@@ -140,6 +142,7 @@ async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: S
             finally:  # the update is applied, published or not: the step is done, and the
                 # checkpoint written after a failed push says so (its optimizer has step + 1 updates)
                 step_s = time.monotonic() - t0
+                recent.append(step_s)
                 log_step(cfg, run, parts, step, batch, learner_metrics, step_s)
             evaluate(parts, steps)
             await checkpoint(parts, steps)

@@ -24,7 +24,7 @@ METHOD_NAMES = tuple(METHODS)
 
 
 class LoraConfig(Section):
-    rank: int = Field(16, gt=0, description="LoRA rank r of each adapted weight (vLLM serves ranks up to 512).")
+    rank: int = Field(16, gt=0, le=512, description="LoRA rank r of each adapted weight (vLLM serves ranks up to 512).")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha: an adapted weight is W + (alpha / r) B A.")
     target_modules: str | list[str] = Field(
         "all-linear",

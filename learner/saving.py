@@ -90,7 +90,11 @@ def fp32_state_dict(checkpoint: str | Path, tag: str = TAGS["policy"]) -> dict[s
     if list((root / tag).glob("*optim_states.pt")) and list((root / tag).glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # ZeRO 1-3: the fp32 master weights, merged from every rank's partition
-        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        # ZeRO 1-3: the fp32 master weights, merged from every rank's partition; ZeRO-1 keeps none of frozen
+        # parameters (a LoRA run's base), whose weights are then the model states' own
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+        frozen = {k: v.float() for k, v in states["module"].items() if k not in fp32 and v.numel()}
+        return {**frozen, **fp32}
     states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # only "module" is read
     return {k: v.float() for k, v in states["module"].items()}  # ZeRO 0: the weights are the model states

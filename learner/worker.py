@@ -391,9 +391,13 @@ class LearnerWorker:
 
         params = [(name, p) for name, p in self.policy.module.named_parameters() if wanted(name)]
         with torch.no_grad():
-            if self.zero_stage == 3:
-                with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-                    return [(n, p.detach().to("cpu", copy=True)) for n, p in params] if self.rank == 0 else None
+            if self.zero_stage == 3:  # one parameter at a time: never the whole model gathered at once
+                named = []
+                for name, param in params:
+                    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                        if self.rank == 0:
+                            named.append((name, param.detach().to("cpu", copy=True)))
+                return named if self.rank == 0 else None
             if self.rank != 0:
                 return None
             return [(n, p.detach().to("cpu", copy=copy)) for n, p in params]

@@ -63,6 +63,7 @@ class Admission:
     ):
         self.ledger, self.pace, self.prompt_queue = ledger, pace, prompt_queue
         self.render, self.put_timeout_s = render, put_timeout_s
+        self.batched: set[int] = set()  # prompts whose group is in a collected batch, not yet trained
         self._paused = False  # the colocated schedule's training phase: nothing goes out
         self._budget: int | None = None  # prompts still to let out in this phase (None: as the pace allows)
         self._open = asyncio.Event()  # set while neither paused nor out of budget
@@ -95,7 +96,8 @@ class Admission:
         slot = 0
         while True:
             await self.pace.admit(slot)  # waits until this prompt can be trained on within k versions
-            await self._open.wait()  # and until the schedule lets prompts out
+            while not self._open.is_set():  # and until the schedule lets prompts out (checked again on waking:
+                await self._open.wait()  # a pause may have come between the wake-up and this turn)
             # every prompt admissible now goes in one put (up to a step's): one queue call, not one
             # per prompt, and an actor waiting for prompts wakes to a full request, not to the first one
             count = min(self.pace.P, self.pace.allowance() - slot, self._budget or self.pace.P)
@@ -114,11 +116,17 @@ class Admission:
             await self.prompt_queue.put_many_async(requests, timeout=self.put_timeout_s)
 
     def outstanding(self, prompt_id: int) -> bool:
-        """Admitted and not yet trained: a group of it is new (not a duplicate of one trained)."""
-        return self.ledger.is_outstanding(prompt_id)
+        """Admitted, and neither trained nor in a batch waiting to be trained: a group of it is new (not a
+        duplicate), and it is generated again if its actor dies."""
+        return self.ledger.is_outstanding(prompt_id) and prompt_id not in self.batched
 
     def is_new(self, group: TrajectoryGroup) -> bool:
-        return self.ledger.is_outstanding(group.prompt_id)
+        return self.outstanding(group.prompt_id)
+
+    def in_batch(self, group: TrajectoryGroup) -> None:
+        """The collector put ``group`` in a batch (the colocated schedule collects a phase's batches before
+        training them): until it is trained, no other group of its prompt is new."""
+        self.batched.add(group.prompt_id)
 
     async def too_stale(self, group: TrajectoryGroup) -> None:
         """A group too old to train: its prompt is generated again, in a place of its own."""
@@ -143,6 +151,7 @@ class Admission:
     def trained(self, groups: list[TrajectoryGroup]) -> None:
         for group in groups:
             self.ledger.trained(group.prompt_id)
+            self.batched.discard(group.prompt_id)
 
     async def published(self, version: int) -> None:
         """Policy ``version`` is on the weight channel: a step's more prompts may go out."""

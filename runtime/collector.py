@@ -161,6 +161,8 @@ class BatchCollector:
                 else:
                     batch.groups.append(group)
                     seen.add(group.prompt_id)
+                    if self.admission is not None:
+                        self.admission.in_batch(group)
         batch.groups.sort(key=lambda g: g.prompt_id)  # arrival order must not change the result
         for group in batch.groups:
             for traj in group.trajectories:

@@ -138,6 +138,9 @@ class RecordingAdmission:
     def is_new(self, group: TrajectoryGroup) -> bool:
         return True
 
+    def in_batch(self, group: TrajectoryGroup) -> None:
+        pass
+
     async def too_stale(self, group: TrajectoryGroup) -> None:
         assert self.stale_ok, f"group {group.prompt_id} was found too stale"
         self.stale.append(group.prompt_id)

@@ -133,3 +133,54 @@ def test_modules_vllm_serves_no_adapter_on_are_refused():
     for bad in ("learner.lora.target_modules=[q_proj,lm_head]", "learner.lora.target_modules=embed_tokens"):
         with pytest.raises(ConfigError, match="vLLM serves no adapter on"):
             load_config(None, [*REQUIRED, bad])
+
+
+LORA_CHECKPOINT = """
+import asyncio, sys
+from learner.attention import select_attention
+from learner.config import AlgorithmConfig, LearnerConfig, LoraConfig
+from learner.group import LearnerGroup
+from learner.worker import LearnerWorker, RankSpec
+from tests.fakes import LocalActor, make_group
+
+model, zero, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+learner = LearnerConfig(zero_stage=zero, lora=LoraConfig(rank=4, alpha=8.0), lr=0.05)
+algorithm = AlgorithmConfig()
+worker = LearnerWorker(0, 1)
+worker.join_alone(60)
+spec = RankSpec(model, learner, algorithm, "float32", 0, max_tokens=8)
+worker.build(spec, select_attention("sdpa", False, False, "float32"))
+group = LearnerGroup([LocalActor(worker)], algorithm, learner.token_budget, 8)
+for _ in range(2):  # B leaves 0: the merge changes the weights
+    asyncio.run(group.train_step([make_group(0, [1.0, 0.0, 1.0, 0.0], completion_len=4)]))
+worker.save_checkpoint(out + "/ckpt")
+worker.save_model(out + "/model")
+"""
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_tandem_export_merges_a_lora_checkpoint_as_the_run_saves_its_model(zero, tiny_model_dir, tmp_path):
+    """ZeRO-1 keeps no fp32 copy of frozen weights (the base), ZeRO-3 gathers them one at a time: the
+    exported checkpoint and the saved model are the same merged weights either way."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from launch.tools.export import _from_deepspeed
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", LORA_CHECKPOINT, tiny_model_dir, str(zero), str(tmp_path)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = _from_deepspeed(tmp_path / "ckpt", tmp_path / "exported")
+    a, b = load_file(exported / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    assert (tmp_path / "model" / "adapter" / "adapter_config.json").is_file()

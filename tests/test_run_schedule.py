@@ -115,7 +115,9 @@ async def run_loop(schedule: str, k: int, steps: int, P: int = 4, seed: int = 0)
         evaluator=SimpleNamespace(due=lambda done, total: False),
         admission=admission,
     )
-    cfg = SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=P), run=SimpleNamespace(steps=steps))
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(prompts_per_step=P), run=SimpleNamespace(steps=steps, max_staleness=k)
+    )
     run = SimpleNamespace(timeline=lambda spans: None)
     tasks = [asyncio.create_task(admission.feed())] + [
         asyncio.create_task(actor(prompts, results, rec, version, rng)) for _ in range(2)
@@ -158,3 +160,48 @@ def test_overlapped_generates_beside_training_and_publishes_every_version():
     assert rec.overlaps > 0
     assert rec.pushed == list(range(1, 8))
     assert max(staleness) <= 1
+
+
+def _group(prompt_id: int) -> TrajectoryGroup:
+    trajectories = [make_trajectory([1], [2, 3], float(j)) for j in range(2)]  # rewards 0, 1: a signal
+    for t in trajectories:
+        t.policy_versions = np.zeros(2, dtype=np.int32)
+    return TrajectoryGroup(prompt_id, {}, trajectories, "a")
+
+
+def test_an_actor_dying_mid_phase_does_not_regenerate_what_a_collected_batch_holds():
+    """A phase of 2 batches: actor a0 returns the first batch, then dies before the second is complete. Its
+    prompts sit in a collected (untrained) batch: they are not held any more, not generated again, and a
+    late group of them is no longer new; a1's prompts fill the second batch."""
+
+    async def phase():
+        k, P = 1, 4
+        prompts, results = LocalQueue("prompt", 1000), LocalQueue("results", 1000)
+        ledger = PromptLedger(PromptStream([{"prompt": str(i)} for i in range(64)], seed=0))
+        admission = Admission(ledger, Pace(P, k), prompts, lambda row: [1], put_timeout_s=5)
+        parts = SimpleNamespace(
+            schedule=SCHEDULES["colocated"](admission, k),
+            collector=BatchCollector(results, {}, None, 5.0, admission=admission),
+            driver_spans=Spans("driver"),
+            health=SimpleNamespace(oversample_reached=lambda *a: None),
+        )
+        cfg = SimpleNamespace(
+            rollout=SimpleNamespace(prompts_per_step=P), run=SimpleNamespace(steps=4, max_staleness=k)
+        )
+        feed = asyncio.create_task(admission.feed())
+        collecting = asyncio.create_task(collect(cfg, None, parts, StopRequest(print), 0))
+        await asyncio.sleep(0.05)
+        a0, a1 = prompts.get_batch(4, 1, "a0"), prompts.get_batch(4, 1, "a1")
+        await results.put_many_async([_group(r.prompt_id) for r in a0], 1)
+        await asyncio.sleep(0.1)  # batch 0 is collected; batch 1 waits
+        held = [i for i in prompts._state.taken_by("a0") if admission.outstanding(i)]
+        assert held == []  # in a collected batch: nothing of a0's is lost with it
+        assert not admission.is_new(_group(a0[0].prompt_id))  # a late copy would be a duplicate
+        await results.put_many_async([_group(r.prompt_id) for r in a1], 1)
+        first = await asyncio.wait_for(collecting, 2)
+        feed.cancel()
+        return first, parts.schedule.ready[0], a0, a1
+
+    first, second, a0, a1 = asyncio.run(phase())
+    assert [g.prompt_id for g in first.groups] == sorted(r.prompt_id for r in a0)
+    assert [g.prompt_id for g in second.groups] == sorted(r.prompt_id for r in a1)
