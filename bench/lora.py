@@ -34,6 +34,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def main() -> None:
     rows = []
     for rank in [0, *args.ranks]:
         name = f"lora-r{rank}" if rank else "full"
-        weights = Path(model) / f"published-{name}.safetensors"
+        weights = Path(tempfile.gettempdir()) / f"lora-bench-published-{name}.safetensors"  # not in the model dir
         row = {"name": name, **_child("learner", model, rank, args.tokens, args.sequences, args.pushes, weights)}
         row.update(_child("actor", model, rank, weights, args.pushes))
         weights.unlink()
