@@ -155,13 +155,21 @@ for _ in range(2):  # B leaves 0: the merge changes the weights
     asyncio.run(group.train_step([make_group(0, [1.0, 0.0, 1.0, 0.0], completion_len=4)]))
 worker.save_checkpoint(out + "/ckpt")
 worker.save_model(out + "/model")
+later = [make_group(1, [0.0, 1.0, 1.0, 0.0], completion_len=4)]
+asyncio.run(group.train_step(later))
+worker.save_model(out + "/after")
+worker.load_checkpoint(out + "/ckpt")  # back to the checkpoint: the same step must give the same weights
+asyncio.run(group.train_step(later))
+worker.save_model(out + "/again")
 """
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_tandem_export_merges_a_lora_checkpoint_as_the_run_saves_its_model(zero, tiny_model_dir, tmp_path):
-    """ZeRO-1 keeps no fp32 copy of frozen weights (the base), ZeRO-3 gathers them one at a time: the
-    exported checkpoint and the saved model are the same merged weights either way."""
+def test_a_lora_checkpoint_resumes_exactly_and_exports_as_the_run_saves_its_model(zero, tiny_model_dir, tmp_path):
+    """A learner rank trains LoRA adapters, checkpoints, trains a step, goes back to the checkpoint and trains
+    that step again: the same weights, bit for bit (adapters, AdamW state, schedule restored). ZeRO-1 keeps no
+    fp32 copy of frozen weights (the base), ZeRO-3 gathers them one at a time: the exported checkpoint and
+    the saved model are the same merged weights either way."""
     import os
     import subprocess
     import sys
@@ -184,3 +192,9 @@ def test_tandem_export_merges_a_lora_checkpoint_as_the_run_saves_its_model(zero,
     for name in b:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
     assert (tmp_path / "model" / "adapter" / "adapter_config.json").is_file()
+    after, again = (
+        load_file(tmp_path / "after" / "model.safetensors"),
+        load_file(tmp_path / "again" / "model.safetensors"),
+    )
+    assert all(torch.equal(after[k], again[k]) for k in after)
+    assert not all(torch.equal(after[k], b[k]) for k in b)  # the step after the checkpoint changed them

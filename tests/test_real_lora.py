@@ -1,4 +1,5 @@
-"""LoRA on the real stack (``learner.lora``): PEFT adapters in the DeepSpeed learner, vLLM serving them.
+"""LoRA on the real stack (``learner.lora``): PEFT adapters in the DeepSpeed learner, vLLM serving them,
+in the small-cluster setting the colocated schedule is for.
 
 The base: the tiny model warm-started (full fine-tuning, 150 supervised steps, 3 s) on the built-in
 ``echo`` task ("copy 4:" -> "4"), so that it knows its digits; the RL task is ``successor`` ("next 4:" ->
@@ -6,26 +7,22 @@ The base: the tiny model warm-started (full fine-tuning, 150 supervised steps, 3
 embeddings and the output head frozen, supervised training plateaus at a loss of 1.74 at every rank up to
 128, against 0.01 for full fine-tuning; from the echo model it reaches 0.02 in 50 steps.)
 
-1. A LoRA run learns (in-flight updates, max staleness 2): its reward rises from about 0.01 to about 0.7
-   in 60 steps (measured 2026-12-04: 0.009 -> 0.718; between requests 0.003 -> 0.552); every published
-   version is the adapter alone; ``model/`` is the merged model and ``model/adapter/`` the adapter, and the
-   base with that adapter gives the merged model's logits.
-2. Exact resume: a synchronous LoRA run resumed from its middle checkpoint trains the same losses and
-   ends with the same weights, and ``tandem export`` of its DeepSpeed checkpoint merges the adapter into
-   the weights of its ``model/``.
+One run, LoRA in the colocated schedule with in-flight updates and max staleness 2 (two engines and a
+two-core learner rank taking turns on two cores; the between-requests colocated case is
+``tests/test_real_run.py``'s). It learns: reward from about 0.01 to about 0.7 in 60 steps (overlapped,
+measured 2026-12-04: 0.009 -> 0.718; between requests 0.003 -> 0.552). Every published version is the
+adapter alone; ``model/`` is the merged model and ``model/adapter/`` the adapter, and the base with that
+adapter gives the merged model's logits. The run's timeline shows no generation beside the learner's
+work, each step's staleness is its place in its phase of 3 steps, and only each phase's last version
+is pushed. (Exact resume and export of LoRA checkpoints: ``tests/test_lora.py``, in-process.)
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from launch.cli import main
-from tests.runs import DEMO, read_metrics, run_dir, train
+from tests.runs import COLOCATED, DEMO, overlapping, read_metrics, read_spans, run_dir, train
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +44,24 @@ def echo_model(tiny_model_dir, tmp_path_factory) -> str:
     return str(out)
 
 
-def test_a_lora_run_learns_publishes_only_the_adapter_and_saves_it_merged(tmp_path, echo_model, capsys):
-    steps = 60
+def test_a_colocated_lora_run_learns_publishes_only_the_adapter_and_saves_it_merged(tmp_path, echo_model, capsys):
+    steps, k = 60, 2
     runs = tmp_path / "runs"
     code = train(
-        DEMO, echo_model, runs, f"run.steps={steps}", "run.max_staleness=2", "rollout.weight_update=inflight", *LORA
-    )
+        DEMO, echo_model, runs, f"run.steps={steps}", f"run.max_staleness={k}", "rollout.weight_update=inflight",
+        "rollout.prompts_per_request=8", *COLOCATED, *LORA,
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
     metrics = read_metrics(runs)
     rewards = [m["reward_mean"] for m in metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.3, f"reward did not rise: {first:.3f} -> {last:.3f}"
-    assert max(m["staleness_max"] for m in metrics) <= 2
+    assert [m["staleness_max"] for m in metrics] == [i % (k + 1) for i in range(steps)]  # phases of k + 1 steps
+    spans = read_spans(runs)
+    assert {s["process"] for s in spans if s["kind"] == "generate"} == {"actor-0", "actor-1"}  # both engines
+    assert overlapping(spans, ("generate",), ("score", "train")) == []  # never beside the learner's work
+    assert len([s for s in spans if s["kind"] == "publish"]) == steps // (k + 1)  # each phase's last version
 
     root = run_dir(runs)
     learner_log = (root / "logs" / "learner-0.log").read_text()
@@ -76,32 +78,3 @@ def test_a_lora_run_learns_publishes_only_the_adapter_and_saves_it_merged(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(merged(input_ids=ids).logits, before)  # it trained
-
-
-def test_a_resumed_lora_run_is_the_same_run_and_exports_merged(tmp_path, echo_model, capsys):
-    runs = tmp_path / "runs"
-    common = [*LORA, "run.max_staleness=0", "rollout.prompts_per_step=8", "run.checkpoint_every=3", "run.steps=6"]
-    assert train(DEMO, echo_model, runs, *common) == 0
-    root = run_dir(runs)
-    expected = read_metrics(runs)
-    final = load_file(root / "model" / "model.safetensors")
-
-    exported = tmp_path / "exported"  # from the DeepSpeed state of step 6, not from model/
-    assert main(["export", str(root), "--step", "6", "--out", str(exported)]) == 0
-    from_checkpoint = load_file(exported / "model.safetensors")
-    assert from_checkpoint.keys() == final.keys()
-    for k in final:
-        torch.testing.assert_close(from_checkpoint[k], final[k], atol=1e-6, rtol=0, msg=k)
-
-    shutil.rmtree(root / "checkpoints" / "step-6")  # as if the run had stopped after step 3
-    shutil.rmtree(root / "model")
-    capsys.readouterr()
-    assert main(["train", "--resume", str(root)]) == 0
-    assert f"resumed from {root / 'checkpoints' / 'step-3'} at step 3" in capsys.readouterr().out
-    got = read_metrics(runs)
-    assert [m["step"] for m in got] == list(range(6))
-    for key in ("learner/loss", "reward_mean", "prompt_ids"):
-        assert [m[key] for m in got] == [m[key] for m in expected], key
-    again = load_file(root / "model" / "model.safetensors")
-    assert all(torch.equal(again[k], final[k]) for k in final)
-    assert json.loads((root / "summary.json").read_text())["steps"] == 6
