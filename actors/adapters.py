@@ -124,3 +124,8 @@ class Adapters:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def lora_kwargs(request) -> dict:
+    """A generate call's adapter argument: ``lora_request`` when there is an adapter, nothing otherwise."""
+    return {"lora_request": request} if request is not None else {}

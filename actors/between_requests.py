@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from actors.adapters import Adapters
+from actors.adapters import Adapters, lora_kwargs
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params, turn_params
@@ -131,8 +131,7 @@ class BetweenRequests:
     def lora(self) -> dict:
         """The generate call's adapter argument: the current version's (none with full weights, or at
         version 0 of an adapter run)."""
-        request = self.adapters.request() if self.adapters is not None else None
-        return {"lora_request": request} if request is not None else {}
+        return lora_kwargs(self.adapters.request() if self.adapters is not None else None)
 
     # --- weights ------------------------------------------------------------------------
     def _load(self, named_tensors: list, version: int) -> None:

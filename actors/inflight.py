@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from actors.adapters import Adapters
+from actors.adapters import Adapters, lora_kwargs
 from actors.engine_weights import engine_transfer
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
@@ -77,7 +77,7 @@ class InFlight:
             lora = self.adapters.request(version)
             self.adapters.using(version)
         try:
-            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **_lora(lora)):
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **lora_kwargs(lora)):
                 prompt_ids = prompt_ids or list(out.prompt_token_ids)
                 delta = out.outputs[0]
                 new = list(delta.token_ids)
@@ -101,7 +101,7 @@ class InFlight:
         if lora is not None:
             self.adapters.using(version)
         try:
-            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **_lora(lora)):
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, **lora_kwargs(lora)):
                 final = out
         finally:
             if lora is not None:
@@ -262,11 +262,6 @@ def token_versions(spans, n: int) -> list[int]:
     if spans[0].start != 0 or spans[-1].end != n:
         raise RuntimeError(f"the engine's weight-version spans cover [{spans[0].start}, {spans[-1].end}) of {n} tokens")
     return versions
-
-
-def _lora(request) -> dict:
-    """A generate call's adapter argument (none without one)."""
-    return {"lora_request": request} if request is not None else {}
 
 
 def _cuda() -> bool:

@@ -27,6 +27,7 @@ The model: a Qwen2 of ``--hidden`` (512), ``--layers`` (8), 8 heads / 4 KV heads
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -43,26 +44,16 @@ MB = 1e6
 
 
 def build_model(out: Path, hidden: int, layers: int) -> Path:
-    marker = out / "lora-bench.json"
-    spec = {"hidden": hidden, "layers": layers}
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return out
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The bench's Qwen2 (``bench/gpu_model.py`` builds it; reused when present): 8 heads / 4 KV heads,
+    FFN 11/4 of ``hidden``, vocabulary 32768, untied, float32."""
+    from bench.gpu_model import QWEN25_05B
+    from bench.gpu_model import build_model as build
 
-    from actors.tiny_model import build_tokenizer
-
-    config = Qwen2Config(
-        vocab_size=32768, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=2048,
-        tie_word_embeddings=False, pad_token_id=0,
+    shape = dataclasses.replace(
+        QWEN25_05B, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_layers=layers, num_heads=8,
+        num_kv_heads=4, vocab_size=32768, max_positions=2048, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    out.mkdir(parents=True, exist_ok=True)
-    Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    build_tokenizer().save_pretrained(out)
-    marker.write_text(json.dumps(spec))
-    return out
+    return build(out, shape, dtype="float32", device="cpu")
 
 
 def _rss() -> float:
@@ -146,7 +137,7 @@ def actor_child(model: str, rank: int, weights: str, pushes: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from actors.adapters import Adapters, AdapterSpec
+    from actors.adapters import Adapters, AdapterSpec, lora_kwargs
     from actors.between_requests import _build_llm
     from actors.config import EngineConfig, RewardConfig, RolloutConfig
     from actors.spec import ActorSpec
@@ -164,7 +155,7 @@ def actor_child(model: str, rank: int, weights: str, pushes: int) -> dict:
 
     def generate(params, batch, version=None):
         lora = adapters.request(version) if adapters else None
-        return llm.generate(batch, params, use_tqdm=False, **({"lora_request": lora} if lora else {}))
+        return llm.generate(batch, params, use_tqdm=False, **lora_kwargs(lora))
 
     generate(one, prompts[:1])
     loads = []

@@ -364,20 +364,14 @@ class LearnerWorker:
         """(HF name, CPU tensor) pairs on rank 0, None elsewhere: the policy's weights, or with
         ``learner.lora`` its adapter's (PEFT's names). Every rank must call it (under ZeRO-3 gathering
         the shards is a collective)."""
-        import deepspeed
         import torch
 
         module = self.policy.module
         if is_peft(module):
             return adapter_weights(self._gather(lambda name: ".lora_" in name, copy))
+        if self.zero_stage == 3:
+            return self._gather(lambda name: True)
         with torch.no_grad():
-            if self.zero_stage == 3:
-                named = []
-                for name, param in module.named_parameters():
-                    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                        if self.rank == 0:
-                            named.append((name, param.detach().to("cpu", copy=True)))
-                return named if self.rank == 0 else None
             if self.rank != 0:
                 return None
             # copy=False: views of the live parameters (on CPU), valid until the next step.

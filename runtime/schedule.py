@@ -28,8 +28,6 @@ from runtime.collector import Batch
 class Overlapped:
     """Generation and training overlap: one batch per collect, every version published."""
 
-    name = "overlapped"
-
     def __init__(self, admission: Admission, max_staleness: int):
         self.admission, self.max_staleness = admission, max_staleness
         self.ready: collections.deque[Batch] = collections.deque()  # batches generated, not yet trained
@@ -50,8 +48,6 @@ class Overlapped:
 
 class Colocated(Overlapped):
     """Generation and training take turns on shared devices; a phase is ``max_staleness + 1`` steps."""
-
-    name = "colocated"
 
     def __init__(self, admission: Admission, max_staleness: int):
         super().__init__(admission, max_staleness)
