@@ -22,6 +22,7 @@ from typing import Any
 from actors.adapters import Adapters, lora_kwargs
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
+from actors.sleep import Turns, check_sleep_mode, sleep_kwargs
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params, turn_params
 from cluster.channel import WeightReceiver
 from cluster.timeline import Spans
@@ -54,6 +55,7 @@ class BetweenRequests:
         self.calls: set[asyncio.Task] = set()
         self.seed = spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
         self.adapters = Adapters(spec.adapter, spec.model_path, spec.name) if spec.adapter else None
+        self.turns = Turns(spec.sleep_level)
 
     async def on_engine(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the engine's thread."""
@@ -61,6 +63,7 @@ class BetweenRequests:
 
     async def start(self) -> None:
         if self.llm is None:
+            check_sleep_mode(self.spec.sleep_level)
             self.llm = await self.on_engine(_build_llm, self.spec)
         self.tokenizer = self.llm.get_tokenizer()
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
@@ -134,22 +137,23 @@ class BetweenRequests:
         return lora_kwargs(self.adapters.request() if self.adapters is not None else None)
 
     # --- weights ------------------------------------------------------------------------
-    def _load(self, named_tensors: list, version: int) -> None:
+    def _load(self, named_tensors: list, version: int, reset: bool = True) -> None:
         if self.adapters is not None:  # an adapter: written for the engine to load; the older ones go
             self.adapters.add(version, named_tensors)
             for lora_id in self.adapters.retire():
                 self.llm.llm_engine.remove_lora(lora_id)
         else:
             self.llm.collective_rpc("load_named_weights", args=(named_tensors,))
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        if reset:  # (an engine waking from sleep has no cache yet: its sleep dropped it)
+            self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
 
-    async def load_weights(self, named_tensors: list, version: int, mode: str = "keep") -> int:
+    async def load_weights(self, named_tensors: list, version: int, mode: str = "keep", reset: bool = True) -> int:
         """Load ``(name, tensor)`` pairs as policy ``version`` (no request runs meanwhile, whatever ``mode``)."""
-        await self.on_engine(self._load, named_tensors, version)
+        await self.on_engine(self._load, named_tensors, version, reset)
         self.clock.loaded(version)
         return version
 
-    async def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float) -> None:
+    async def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float, reset: bool = True) -> None:
         """Load the newest published weights; wait (up to ``timeout``) until version >= ``min_version``."""
         start = time.monotonic()
         if self.clock.wants(await asyncio.to_thread(channel.latest_version), min_version):
@@ -157,8 +161,36 @@ class BetweenRequests:
                 version, named = await asyncio.to_thread(channel.fetch, min_version, timeout)
             if version > self.clock.version:
                 with self.spans.span("load_weights", version):
-                    await self.load_weights(named, version)
+                    await self.load_weights(named, version, reset=reset)
         self.clock.waited(time.monotonic() - start)
+
+    # --- turns with the learner (run.schedule=colocated, actors/sleep.py) ----------------
+    async def sleep(self) -> None:
+        """Generate nothing until ``wake``; free the engine's memory at the spec's level, once a generate
+        call still running (a held-out round's) has ended."""
+        async with self.turns.asleep():
+            if self.turns.level:  # (the span: only what the engine does, not the wait for a running call)
+                with self.spans.span("sleep", self.clock.version):
+                    await self.on_engine(lambda: self.llm.sleep(self.turns.level, **sleep_kwargs(self.llm.sleep)))
+
+    async def wake(self, channel: WeightReceiver, min_version: int, timeout: float) -> int:
+        """The weights' memory back, the newest version (at least ``min_version``) loaded into it, then the
+        KV cache (an adapter is loaded once the engine is whole); generation may start again. Returns the
+        version loaded (an awake engine, e.g. before the first phase, loads as its prompts ask)."""
+        if self.turns.awake.is_set():
+            return self.clock.version
+        level = self.turns.level
+        with self.spans.span("wake", min_version):
+            if level:
+                await self.on_engine(self.llm.wake_up, ["weights"])
+            if self.adapters is None:
+                await self.sync_weights(channel, min_version, timeout, reset=not level)
+            if level:
+                await self.on_engine(self.llm.wake_up, ["kv_cache"])
+            if self.adapters is not None:
+                await self.sync_weights(channel, min_version, timeout)
+        self.turns.awake.set()
+        return self.clock.version
 
     # --- the actor's loop ---------------------------------------------------------------
     async def serve(self, actor, prompt_queue, results_queue, channel: WeightReceiver, timeouts: ActorTimeouts) -> int:
@@ -170,9 +202,10 @@ class BetweenRequests:
                     requests = await prompt_queue.get_batch_async(per_call, timeouts.idle_s, self.spec.name)
                 if not requests:
                     continue
-                await self.sync_weights(channel, max(r.min_version for r in requests), timeouts.weights_s)
-                with self.spans.span("generate", self.clock.version):
-                    groups = await actor.generate(requests)
+                async with self.turns.turn():  # colocated: prompts taken during training wait for the wake
+                    await self.sync_weights(channel, max(r.min_version for r in requests), timeouts.weights_s)
+                    with self.spans.span("generate", self.clock.version):
+                        groups = await actor.generate(requests)
                 groups[0].spans = self.spans.take()  # the timeline rides to the driver on the results
                 await results_queue.put_many_async(groups, timeout=timeouts.data_s)
                 pushed += len(groups)

@@ -46,6 +46,8 @@ class GenerationActor:
         self.engine = WEIGHT_UPDATES[spec.rollout.weight_update](spec, self.clock, self.spans, engine)
         self.rollout = ROLLOUTS[spec.rollout.kind](spec, self.spans)  # started with the engine, closed with the loop
         self.builder: GroupBuilder | None = None
+        self.serving: tuple[WeightReceiver, ActorTimeouts] | None = None  # run's channel and deadlines
+        self.serving_started = asyncio.Event()
 
     async def ready(self) -> dict[str, Any]:
         """Build the engine and the reward workers (once); who and where the actor is."""
@@ -107,9 +109,22 @@ class GenerationActor:
         await self.ready()
         return await self.engine.load_weights(named_tensors, version, mode)
 
+    # --- turns with the learner (run.schedule=colocated, actors/sleep.py) ------------
+    async def sleep(self) -> None:
+        """Start no generation until ``wake``; with a GPU the engine gives its memory back."""
+        await self.engine.sleep()
+
+    async def wake(self, min_version: int) -> int:
+        """Generate again, with the newest published weights (at least ``min_version``) loaded first."""
+        await self.serving_started.wait()  # the loop's channel: `run` was called before this
+        channel, timeouts = self.serving
+        return await self.engine.wake(channel, min_version, timeouts.weights_s)
+
     # --- the actor's loop ----------------------------------------------------------
     async def run(self, prompt_queue, results_queue, channel: WeightReceiver, timeouts: ActorTimeouts) -> ActorReport:
         """Generate until the queues close; the engine's loop decides how prompts and weights interleave."""
+        self.serving = (channel, timeouts)
+        self.serving_started.set()
         try:
             groups = await self.engine.serve(self, prompt_queue, results_queue, channel, timeouts)
         finally:

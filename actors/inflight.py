@@ -24,6 +24,7 @@ from actors.adapters import Adapters, lora_kwargs
 from actors.engine_weights import engine_transfer
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
+from actors.sleep import Turns, check_sleep_mode, sleep_kwargs
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, sampling_params, turn_params
 from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
 from cluster.timeline import Spans
@@ -39,12 +40,15 @@ class InFlight:
         self.spec, self.clock, self.spans, self.llm = spec, clock, spans, engine
         self._update_lock = asyncio.Lock()
         self.adapters = Adapters(spec.adapter, spec.model_path, spec.name) if spec.adapter else None
+        self.turns = Turns(spec.sleep_level)
+        self._held_asleep = False  # the update lock, held from sleep to wake: the watcher loads nothing
 
     async def start(self) -> None:
         if self.llm is None:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            check_sleep_mode(self.spec.sleep_level)
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.spec)))
         await self.llm.update_weight_version(str(self.clock.version))  # the label of the first tokens
         self.tokenizer = self.llm.tokenizer
@@ -122,30 +126,38 @@ class InFlight:
         load, drop cached KV, resume. Tokens streamed after this returns carry ``version``.
         A version not newer than the loaded one is skipped (the watcher and a prompt may race)."""
         async with self._update_lock:
-            if version <= self.clock.version:
-                return self.clock.version
-            if self.adapters is not None:  # nothing pauses: requests from now on use the new adapter
-                wall = time.time()
-                request = await asyncio.to_thread(self.adapters.write, version, named_tensors)  # files only
-                self.adapters.activate(version, request)  # on the loop, with the clock: no request between
-                self.clock.loaded(version)
-                await self._retire_adapters()
-                self.spans.add("load_weights", wall, time.time(), version)
-                return version
-            start, wall = time.monotonic(), time.time()
-            packed, keep = self.transfer.pack(named_tensors)  # `keep`: what the handles point at
-            await self.llm.pause_generation(mode=mode, clear_cache=True)
-            try:
-                await self.llm.collective_rpc(self.transfer.method, args=(packed,))
-                await self.llm.reset_prefix_cache()
-                # while paused: the engine labels every token it samples from now on with this version
-                await self.llm.update_weight_version(str(version))
-                self.clock.loaded(version)
-            finally:
-                del keep
-                await self.llm.resume_generation()
-            self.clock.waited(time.monotonic() - start)
+            return await self._load(named_tensors, version, mode)
+
+    async def _load(self, named_tensors: list, version: int, mode: str, asleep: bool = False) -> int:
+        """``load_weights`` with the update lock held. ``asleep``: into the weights of an engine woken only
+        that far (``wake``): its scheduler stays paused and it has no KV cache, so nothing pauses or resets."""
+        if version <= self.clock.version:
+            return self.clock.version
+        wall = time.time()
+        if self.adapters is not None:  # nothing pauses: requests from now on use the new adapter
+            request = await asyncio.to_thread(self.adapters.write, version, named_tensors)  # files only
+            self.adapters.activate(version, request)  # on the loop, with the clock: no request between
+            self.clock.loaded(version)
+            await self._retire_adapters()
             self.spans.add("load_weights", wall, time.time(), version)
+            return version
+        start = time.monotonic()
+        packed, keep = self.transfer.pack(named_tensors)  # `keep`: what the handles point at
+        if not asleep:
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
+        try:
+            await self.llm.collective_rpc(self.transfer.method, args=(packed,))
+            if not asleep:
+                await self.llm.reset_prefix_cache()
+            # while paused: the engine labels every token it samples from now on with this version
+            await self.llm.update_weight_version(str(version))
+            self.clock.loaded(version)
+        finally:
+            del keep
+            if not asleep:
+                await self.llm.resume_generation()
+        self.clock.waited(time.monotonic() - start)
+        self.spans.add("load_weights", wall, time.time(), version)
         return version
 
     async def sync_weights(self, channel: WeightReceiver, min_version: int, timeout: float, mode: str = "keep"):
@@ -174,6 +186,44 @@ class InFlight:
                     raise  # not a quiet window but a channel that answers at once: never spin on it
                 continue  # nothing newer within the window: the learner is still training
             await self.load_weights(named, version)
+
+    # --- turns with the learner (run.schedule=colocated, actors/sleep.py) ----------------
+    async def sleep(self) -> None:
+        """Start no generation and load no weights until ``wake``; free the engine's memory at the spec's
+        level once the requests still running (a held-out round's) have finished."""
+        self.turns.awake.clear()
+        if not self._held_asleep:
+            await self._update_lock.acquire()  # the watcher's next load waits for the wake
+            self._held_asleep = True
+        if self.turns.level:
+            with self.spans.span("sleep", self.clock.version):
+                await self.llm.sleep(self.turns.level, **sleep_kwargs(self.llm.sleep))
+
+    async def wake(self, channel: WeightReceiver, min_version: int, timeout: float) -> int:
+        """The weights' memory back, the newest version (at least ``min_version``) loaded into it, then the
+        KV cache (an adapter is loaded once the engine is whole); generation may start again. Returns the
+        version loaded (an awake engine, e.g. before the first phase, loads as its prompts ask)."""
+        if self.turns.awake.is_set():
+            return self.clock.version
+        level = self.turns.level
+        newest = max(min_version, await asyncio.to_thread(channel.latest_version))  # what the wake loads
+        with self.spans.span("wake", min_version):
+            try:
+                if level:
+                    await self.llm.wake_up(["weights"])
+                if self.adapters is None and newest > self.clock.version:
+                    version, named = await asyncio.to_thread(channel.fetch, newest, timeout)
+                    await self._load(named, version, "keep", asleep=bool(level))  # the update lock is ours
+                if level:
+                    await self.llm.wake_up(["kv_cache"])
+            finally:
+                if self._held_asleep:
+                    self._held_asleep = False
+                    self._update_lock.release()
+            if self.adapters is not None:
+                await self.sync_weights(channel, newest, timeout)
+        self.turns.awake.set()
+        return self.clock.version
 
     # --- the actor's loop ---------------------------------------------------------------
     async def serve(self, actor, prompt_queue, results_queue, channel: WeightReceiver, timeouts: ActorTimeouts) -> int:
@@ -230,6 +280,7 @@ class InFlight:
                     requests = await intake
                 except QueueClosed:
                     return pushed  # the run is over
+                await self.turns.awake.wait()  # colocated: prompts taken during training wait for the wake
                 for request in requests:
                     await self.sync_weights(channel, request.min_version, timeouts.weights_s)
                     task = asyncio.create_task(generate_and_push(request))

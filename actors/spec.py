@@ -32,6 +32,7 @@ class ActorSpec:
     chat_template: str | None = None  # data.chat_template's file text (episodes render their own turns)
     system_prompt: str | None = None  # data.system_prompt: an episode's first message when reset() gives none
     adapter: AdapterSpec | None = None  # learner.lora: the policy's versions arrive as LoRA adapters
+    sleep_level: int = 0  # run.schedule=colocated on GPUs: what the engine frees while asleep (actors/sleep.py)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
         # inside a Ray actor vLLM would otherwise pick its Ray executor and ask for new bundles
         **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
         **(spec.adapter.engine_kwargs() if spec.adapter is not None else {}),
+        **({"enable_sleep_mode": True} if spec.sleep_level else {}),
         **device,
     )
 

@@ -14,7 +14,9 @@ one JSON line; ``bench/gpu_device_check.sh`` runs them in order and prints one t
   against ``--peak-tflops``: ``(6 N + 6 L H S) x tokens / s``, N the parameters without the embedding
   table, L layers, H the hidden size, S the mean sequence length (causal attention: half of 12 L H S).
   Then the exported weights: their dtype must be the run's (bf16), and the learner's log-probs of
-  the batch must be finite.
+  the batch must be finite. ``--offload``: then the colocated schedule's round trip
+  (``LearnerWorker.offload_states`` / ``reload_states``, DeepSpeed's ``offload_states``): device memory
+  held before and after, seconds each way, and one more step that must train (finite loss).
 - ``weights``: the same-device weight path between two processes: the learner exports the model's
   weights and packs them as handles (``actors/engine_weights.py``, ``shared``: CUDA IPC on a GPU,
   shared memory on the CPU); a second process rebuilds them and checks every byte; time per push.
@@ -149,13 +151,38 @@ def step(args) -> dict:
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for _, t in named}) if named else []
     if dtypes != [args.dtype]:
         raise RuntimeError(f"exported weights are {dtypes}, the run's dtype is {args.dtype}")
-    return {
+    exported = f"{len(named)} tensors, {dtypes[0]}"
+    del named  # (ZeRO-3 gathered copies: not held through the offload)
+    offload = _offload_round_trip(worker, one) if args.offload else {}
+    return {**offload,
         "zero": args.zero, "attention": f"{attention.implementation} ({attention.mask} mask)",
         "checkpointing": args.checkpointing, "dtype": args.dtype, "tokens": tokens, "seconds": seconds,
         "tokens_s": tokens / seconds, "tflops": achieved / 1e12, "mfu": achieved / (args.peak_tflops * 1e12),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "params": params,
-        "exported": f"{len(named)} tensors, {dtypes[0]}", "loss": metrics.get("loss"),
+        "exported": exported, "loss": metrics.get("loss"),
     }  # fmt: skip
+
+
+def _offload_round_trip(worker, one) -> dict:
+    """The learner's turn in the colocated schedule: its states out while the engines generate, then back."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    held = lambda: torch.cuda.memory_allocated() / 2**30 if cuda else None  # noqa: E731
+    before = held()
+    _sync()
+    start = time.perf_counter()
+    worker.offload_states()
+    _sync()
+    out_s, after = time.perf_counter() - start, held()
+    start = time.perf_counter()
+    worker.reload_states()
+    _sync()
+    back_s = time.perf_counter() - start
+    _, metrics = one()
+    if not torch.isfinite(torch.tensor(float(metrics["loss"]))):
+        raise RuntimeError(f"non-finite loss after the offload round trip: {metrics}")
+    return {"offload_s": out_s, "reload_s": back_s, "held_gib": before, "offloaded_gib": after}
 
 
 def _params(config) -> int:
@@ -239,6 +266,9 @@ def table(args) -> None:
             peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
             ckpt = ", grad. ckpt" if r["checkpointing"] else ""
             note = f"ZeRO-{r['zero']}, {r['attention']}, {r['dtype']}{ckpt}; {r['tokens']} tokens; {r['exported']}"
+            if "offload_s" in r:
+                held = "" if r["held_gib"] is None else f" ({r['held_gib']:.1f} -> {r['offloaded_gib']:.1f} GiB held)"
+                note += f"; states offloaded {r['offload_s']:.2f} s, reloaded {r['reload_s']:.2f} s{held}"
             mfu = f"{r['tflops']:.1f} ({r['mfu']:.1%})"
             cells = [f"{r['seconds']:.2f}", f"{r['tokens_s']:,.0f}", mfu, peak, note]
         else:
@@ -260,6 +290,7 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=2, choices=[2, 3])
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--offload", action="store_true", help="then offload and reload the learner's states")
     parser.add_argument("--tokens", type=int, default=4096, help="completion tokens per response")
     parser.add_argument("--sequences", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

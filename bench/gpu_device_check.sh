@@ -70,8 +70,8 @@ declare -a NAMES=() CMDS=()
 add() { NAMES+=("$1"); shift; CMDS+=("$*"); }
 STEP="step --model $MODEL --dtype $DTYPE --sequences $SEQS --tokens $TOKENS"
 add collectives collectives
-add zero2 "$STEP --zero 2 --attention sdpa"
-add zero3 "$STEP --zero 3 --attention sdpa"
+add zero2 "$STEP --zero 2 --attention sdpa --offload"
+add zero3 "$STEP --zero 3 --attention sdpa --offload"
 if "$PY" -c "import flash_attn" 2>/dev/null && [[ $MODE == gpu ]]; then
   add varlen "$STEP --zero 2 --attention flash_attention_2"
 fi

@@ -15,7 +15,8 @@ come back from ``publish_weights``, once per step. Recording a span is a ``time.
 and a list append (about a microsecond; ``bench/span_overhead.py`` measures it against a step).
 
 Kinds, by lane: actors ``wait_prompts`` (nothing to generate), ``wait_weights`` (weights not yet
-published), ``load_weights``, ``generate`` (sampling and scoring the rewards); learner ranks
+published), ``load_weights``, ``generate`` (sampling and scoring the rewards), ``sleep`` and ``wake``
+(the colocated schedule's turns, ``actors/sleep.py``); learner ranks
 ``score`` (old, reference log-probs, values), ``advantages``, ``train``, ``publish``; the driver
 ``wait_data`` (the learner waits for a batch).
 """

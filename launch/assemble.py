@@ -33,6 +33,7 @@ from runtime.ledger import PromptLedger
 from runtime.saving import Progress, Resume, RunSaver
 from runtime.schedule import SCHEDULES, Overlapped
 from runtime.supervise import ActorFailed, ActorPool
+from runtime.turns import DeviceTurns
 
 
 @dataclass
@@ -196,5 +197,14 @@ async def assemble(
         progress,
         (prompt_queue, results_queue),
         Spans("driver", cfg.run.timeline),
-        SCHEDULES[cfg.run.schedule](admission, k),
+        SCHEDULES[cfg.run.schedule](admission, k, turns=device_turns(cfg, pool, learner)),
     )
+
+
+def device_turns(cfg: TandemConfig, pool: ActorPool, learner) -> DeviceTurns | None:
+    """The colocated schedule's phase changes (``runtime/turns.py``): a GPU learner offloads its states while
+    the engines generate; on CPUs only the actors take turns."""
+    if cfg.run.schedule != "colocated":
+        return None
+    offload = cfg.resources.learner.num_gpus > 0
+    return DeviceTurns(lambda: list(pool.actors), learner, offload, cfg.run.startup_timeout_s)

@@ -212,6 +212,7 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         chat_template=episode_template(cfg.data.chat_template),
         system_prompt=cfg.data.system_prompt,
         adapter=adapter_spec(cfg),
+        sleep_level=engine_sleep_level(cfg),
     )
     return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
 
@@ -221,6 +222,13 @@ def adapter_spec(cfg: TandemConfig) -> AdapterSpec | None:
     that may still be generating (``run.max_staleness + 1``)."""
     lora = cfg.learner.lora
     return None if lora is None else AdapterSpec(lora.rank, lora.alpha, slots=cfg.run.max_staleness + 1)
+
+
+def engine_sleep_level(cfg: TandemConfig) -> int:
+    """What an engine frees between its generation phases (``actors/sleep.py``): only a colocated one on a GPU."""
+    from actors.sleep import sleep_level
+
+    return sleep_level(cfg.run.schedule == "colocated" and cfg.resources.actors.num_gpus > 0)
 
 
 def episode_template(chat_template: str) -> str | None:

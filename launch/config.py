@@ -183,10 +183,12 @@ class TandemConfig(Section):
                 f"algorithm.name = {algo.name} scores every reasoning step with one reward function; set "
                 "reward.function, not a weighted sum in reward.functions"
             )
-        if self.run.schedule == "colocated" and self.resources.actors.num_gpus:
+        gpus = self.resources.learner.num_gpus
+        if self.run.schedule == "colocated" and bool(self.resources.actors.num_gpus) != bool(gpus):
             raise ValueError(
-                "run.schedule = colocated on GPUs needs each engine to sleep while the learner trains (vLLM sleep "
-                "mode), which Tandem does not drive yet: use run.schedule=overlapped on GPUs (docs/schedules.md)"
+                f"run.schedule = colocated puts the actors on the learner's devices, which are "
+                f"{'GPUs' if gpus else 'CPUs'}: set resources.actors.num_gpus {'> 0' if gpus else '= 0'} "
+                "(docs/schedules.md)"
             )
         episodes = self.rollout.kind == "multi_turn"
         if self.reward.uses_environment and not episodes:

@@ -147,7 +147,8 @@ async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: S
             evaluate(parts, steps)
             await checkpoint(parts, steps)
         if parts.evaluator.pending:  # the rounds still out (the last one at least) come back before the end
-            await parts.collector.drain_eval(lambda: parts.evaluator.pending, cfg.run.data_timeout_s)
+            async with parts.schedule.rest():  # colocated: the engines wake for them
+                await parts.collector.drain_eval(lambda: parts.evaluator.pending, cfg.run.data_timeout_s)
     finally:
         parts.evaluator.give_up()
         parts.collector.close()

@@ -224,6 +224,14 @@ class LearnerGroup:
         self.kl_beta = float(state["kl_beta"])
         self.reward_stats = RewardStats(**{k: torch.tensor(float(v)) for k, v in state["reward_stats"].items()})
 
+    # --- turns with the engines (run.schedule=colocated on GPUs, runtime/turns.py) -------------
+    async def offload_states(self) -> None:
+        """Every trained rank's optimizer states, master weights and gradients to host memory."""
+        await asyncio.gather(*[w.offload_states.remote() for w in self._trained()])
+
+    async def reload_states(self) -> None:
+        await asyncio.gather(*[w.reload_states.remote() for w in self._trained()])
+
     # --- the weights ---------------------------------------------------------------------
     async def open_weight_channel(self, weights: Any, names: list[str], connect_timeout_s: float) -> list:
         """Rank 0 opens the weight channel (``weights``: the ``WeightsConfig``) to the actors

@@ -32,6 +32,7 @@ from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
 from learner.lora import adapter_weights, is_peft, merge_lora, save_adapter, with_lora
+from learner.offload import offload, reload
 from learner.rank import Layout, Models, RankStep, Sampled
 from learner.schedule import lr_factor
 from learner.shard import RankShard
@@ -117,6 +118,7 @@ class LearnerWorker:
         self.spans = Spans(name or f"learner-{rank}")  # returned by publish_weights, once a step
         self._listener = None  # rank 0: the socket its group store will serve on (rendezvous_address)
         self._published = False  # rank 0 has said what a published version holds
+        self._offloaded: dict[str, list] = {}  # role -> what learner/offload.py moved itself (colocated, GPUs)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port listening there only (kept for ``setup``, where rank 0 serves the
@@ -303,6 +305,22 @@ class LearnerWorker:
             saving.save_hf_files(module, self.model_path, os.path.join(directory, "hf"))
             if is_peft(module):  # its rank and alpha: what `tandem export` merges the adapter with
                 module.peft_config["default"].save_pretrained(os.path.join(directory, "hf"))
+
+    def offload_states(self) -> None:
+        """The colocated schedule on GPUs, while the engines generate: this rank's optimizer states,
+        master and model weights and gradient buffers go to host memory (``learner/offload.py``), and
+        the allocator's cache goes back to the device."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        self._offloaded = {role: offload(engine, cuda) for role, engine in self._engines().items()}
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def reload_states(self) -> None:
+        """Everything ``offload_states`` moved, back on the device before the training phase."""
+        for role, engine in self._engines().items():
+            reload(engine, self._offloaded.pop(role, []))
 
     def load_checkpoint(self, directory: str) -> None:
         state = saving.load_engines(self._engines(), directory)

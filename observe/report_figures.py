@@ -37,6 +37,8 @@ KIND_COLOURS = {
     "generate": "#2ca02c",
     "environment": "#e377c2",  # multi-turn episodes: resets and steps in the environment workers
     "load_weights": "#9467bd",
+    "sleep": "#c5b0d5",  # colocated: an engine giving its memory back, and taking it back with new weights
+    "wake": "#aec7e8",
     "wait_weights": "#d62728",
     "wait_prompts": "#7f7f7f",
     "score": "#17becf",

@@ -11,25 +11,30 @@ turns, each phase using all of them. A generation phase lets the admitted prompt
 batches are back; then admission closes and the learner trains those steps one after another, with
 no generation beside them. Only the phase's last version is published (an earlier one would reach
 no actor before the next phase), unless a held-out round needs it. ``max_staleness`` keeps its
-meaning: the phase's last step trains on tokens ``max_staleness`` versions old. What may still run
-beside training: a held-out round (its prompts go out at once, as in ``overlapped``) and a prompt
-admitted in place of one dynamic sampling left out late in a phase.
+meaning: the phase's last step trains on tokens ``max_staleness`` versions old. Between phases the
+engines sleep and wake (``runtime/turns.py``): an actor starts no generation during training, so a
+held-out round due then, or a prompt admitted late in a phase, waits for the next generation phase.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 from contextlib import asynccontextmanager
 
 from runtime.admission import Admission
 from runtime.collector import Batch
 
+SETTLE_S = 60.0  # the longest wait for the turns of a phase that ends with an error, or of the run's end
+
 
 class Overlapped:
-    """Generation and training overlap: one batch per collect, every version published."""
+    """Generation and training overlap: one batch per collect, every version published. ``turns``: what
+    the processes sharing devices do between phases (``runtime/turns.py``; colocated only)."""
 
-    def __init__(self, admission: Admission, max_staleness: int):
-        self.admission, self.max_staleness = admission, max_staleness
+    def __init__(self, admission: Admission, max_staleness: int, turns=None):
+        self.admission, self.max_staleness, self.turns = admission, max_staleness, turns
         self.ready: collections.deque[Batch] = collections.deque()  # batches generated, not yet trained
 
     def phase_steps(self, step: int, steps: int) -> int:
@@ -45,12 +50,17 @@ class Overlapped:
         """Whether the version just trained goes to the actors now."""
         return True
 
+    @asynccontextmanager
+    async def rest(self):
+        """The last held-out rounds come back inside: the actors may generate (then the final save)."""
+        yield
+
 
 class Colocated(Overlapped):
     """Generation and training take turns on shared devices; a phase is ``max_staleness + 1`` steps."""
 
-    def __init__(self, admission: Admission, max_staleness: int):
-        super().__init__(admission, max_staleness)
+    def __init__(self, admission: Admission, max_staleness: int, turns=None):
+        super().__init__(admission, max_staleness, turns)
         admission.pause()  # nothing generates before the first generation phase
 
     def phase_steps(self, step: int, steps: int) -> int:
@@ -58,14 +68,41 @@ class Colocated(Overlapped):
 
     @asynccontextmanager
     async def generation(self, steps: int, prompts_per_step: int):
+        if self.turns is not None:  # the learner's states out, the engines in with the version just published
+            await self.turns.generation(self.admission.pace.version)
         self.admission.resume(budget=steps * prompts_per_step)  # the phase's prompts, none for later steps
         try:
             yield
-        finally:
+        except BaseException as exc:
             self.admission.pause()
+            await self._settle(exc)
+            raise
+        self.admission.pause()
+        if self.turns is not None:
+            await self.turns.training()  # the engines out, the learner's states in
+
+    async def _settle(self, exc: BaseException) -> None:
+        """After an error inside a phase: the learner's states back for the checkpoint, within a deadline;
+        the run's own error matters more than one of these turns (and a cancelled run just ends)."""
+        if self.turns is not None and isinstance(exc, Exception):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.turns.training(), SETTLE_S)
 
     def publishes(self) -> bool:
         return not self.ready  # the phase's last step: the next phase generates with this version
+
+    @asynccontextmanager
+    async def rest(self):
+        if self.turns is None:
+            yield
+            return
+        await self.turns.generation(self.admission.pace.version)
+        try:
+            yield
+        except BaseException as exc:
+            await self._settle(exc)
+            raise
+        await asyncio.wait_for(self.turns.training(), SETTLE_S)  # the learner's states back for the final save
 
 
 SCHEDULES = {"overlapped": Overlapped, "colocated": Colocated}

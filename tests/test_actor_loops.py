@@ -298,3 +298,33 @@ def test_between_requests_an_engine_answer_that_cannot_be_read_fails_every_waiti
 
     with pytest.raises(RuntimeError, match="the engine returned 2 outputs for 3 prompts"):
         asyncio.run(go())
+
+
+@pytest.mark.parametrize("weight_update", ["between_requests", "inflight"])
+def test_an_asleep_actor_generates_nothing_until_it_wakes_with_the_version_just_published(weight_update):
+    """The colocated schedule's training phase (CPU level 0, ``actors/sleep.py``): a prompt taken while asleep
+    waits; the wake loads the newest version first, and the prompt is generated with it."""
+    engine = FakeLLM() if weight_update == "between_requests" else FakeAsyncLLM()
+    if weight_update == "inflight":
+        engine.swapped.set()  # no mid-generation swap here
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, weight_update=weight_update), engine)
+    prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
+
+    async def go():
+        await actor.ready()
+        run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
+        await actor.sleep()
+        await prompts.put_many_async([PromptRequest(0, {"prompt": "copy 5:", "answer": "5"}, 0)], timeout=1)
+        await asyncio.sleep(0.3)
+        assert results.size() == 0  # taken, not generated
+        channel.publish(1, weights(1.0))
+        assert await actor.wake(0) == 1  # the newest published, though the phase asked for at least 0
+        (group,) = await results.get_batch_async(1, timeout=30)
+        prompts.close_now()
+        results.close_now()
+        await asyncio.wait_for(run, 5)
+        return group
+
+    group = asyncio.run(go())
+    assert all(set(t.policy_versions.tolist()) == {1} for t in group.trajectories)
+    assert any(s.kind == "wake" for s in group.spans)

@@ -55,7 +55,12 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, sche
     assert all(int(s) <= k for m in metrics for s in m["staleness_hist"])
     assert any(m["staleness_max"] >= 1 for m in metrics)  # and generation really ran ahead
     if schedule == "colocated":  # ahead, but never beside the learner's work
-        assert overlapping(read_spans(runs), ("generate",), ("score", "train")) == []
+        spans = read_spans(runs)
+        assert overlapping(spans, ("generate",), ("score", "train")) == []
+        # between phases every actor slept and woke with the version published at its phase's start
+        wakes = [s for s in spans if s["kind"] == "wake"]
+        assert {s["process"] for s in wakes} == {"actor-0", "actor-1"}
+        assert all(s["version"] % (k + 1) == 0 for s in wakes) and len(wakes) >= steps // (k + 1)
     assert all(0 < m["learner/tis_ess"] <= 1 for m in metrics)  # importance weights were applied
 
     rewards = [m["reward_mean"] for m in metrics]

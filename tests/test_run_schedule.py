@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from actors.sleep import Turns
 from cluster.placement import (
     PlacementError,
     check_fits,
@@ -37,6 +38,7 @@ from runtime.collector import BatchCollector
 from runtime.ledger import PromptLedger
 from runtime.schedule import SCHEDULES
 from runtime.stopping import StopRequest
+from runtime.turns import DeviceTurns
 from tests.fakes import make_trajectory
 
 REQUIRED = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
@@ -77,26 +79,75 @@ class Recorder:
         self.overlaps = 0  # generation work done while the learner trained
         self.generated: list[tuple[int, int]] = []  # (prompt id, version it was generated with)
         self.pushed: list[int] = []
+        self.events: list = []  # the phase changes (turns) and the steps trained, in order
 
 
-async def actor(prompts: LocalQueue, results: LocalQueue, rec: Recorder, version: dict, rng: random.Random):
+async def actor(
+    prompts: LocalQueue, results: LocalQueue, rec: Recorder, version: dict, rng: random.Random, turns: Turns
+):
     while True:
         got = await prompts.get_batch_async(2, timeout=0.01)
-        for req in got:
-            assert version["v"] >= req.min_version
-            rec.generating += 1
-            for _ in range(rng.choice([1, 2, 5])):
-                rec.overlaps += rec.training
-                await asyncio.sleep(rng.uniform(0, 0.002))
-            rec.generating -= 1
-            rec.generated.append((req.prompt_id, version["v"]))
-            traj = make_trajectory([1], [2, 3], rng.random())
-            traj.policy_versions = np.full(2, version["v"], dtype=np.int32)
-            await results.put_many_async([TrajectoryGroup(req.prompt_id, {}, [traj], "a")], timeout=5)
+        if not got:
+            continue
+        async with turns.turn():  # as the engines do: prompts taken while asleep wait for the wake
+            await generate(got, results, rec, version, rng)
 
 
-async def run_loop(schedule: str, k: int, steps: int, P: int = 4, seed: int = 0) -> tuple[Recorder, list]:
+async def generate(got: list, results: LocalQueue, rec: Recorder, version: dict, rng: random.Random):
+    for req in got:
+        assert version["v"] >= req.min_version
+        rec.generating += 1
+        for _ in range(rng.choice([1, 2, 5])):
+            rec.overlaps += rec.training
+            await asyncio.sleep(rng.uniform(0, 0.002))
+        rec.generating -= 1
+        rec.generated.append((req.prompt_id, version["v"]))
+        traj = make_trajectory([1], [2, 3], rng.random())
+        traj.policy_versions = np.full(2, version["v"], dtype=np.int32)
+        await results.put_many_async([TrajectoryGroup(req.prompt_id, {}, [traj], "a")], timeout=5)
+
+
+class SimulatedActor:
+    """The driver's handle on a simulated actor: ``sleep`` and ``wake`` as the engines do them."""
+
+    def __init__(self, turns: Turns, rec: Recorder):
+        async def sleep():
+            async with turns.asleep():
+                rec.events.append("sleep")
+
+        async def wake(version: int):
+            rec.events.append(("wake", version))
+            turns.awake.set()
+
+        self.sleep, self.wake = Remote(sleep), Remote(wake)
+
+
+class Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class RecordingLearner:
+    def __init__(self, rec: Recorder):
+        self.rec = rec
+
+    async def offload_states(self):
+        self.rec.events.append("offload")
+
+    async def reload_states(self):
+        self.rec.events.append("reload")
+
+
+async def run_loop(
+    schedule: str, k: int, steps: int, P: int = 4, seed: int = 0, turns: bool = False
+) -> tuple[Recorder, list]:
+    """``turns``: the actors sleep and wake between phases, the learner offloads (``runtime/turns.py``)."""
     rng, rec, version = random.Random(seed), Recorder(), {"v": 0}
+    engines = [Turns(0) for _ in range(2)]
+    device_turns = DeviceTurns(lambda: [SimulatedActor(t, rec) for t in engines], RecordingLearner(rec), True, 5)
     prompts, results = LocalQueue("prompt", P * (k + 1)), LocalQueue("results", P * (k + 2))
     ledger = PromptLedger(PromptStream([{"prompt": str(i)} for i in range(64)], seed=0))
     admission = Admission(ledger, Pace(P, k), prompts, lambda row: [1], put_timeout_s=5)
@@ -107,7 +158,7 @@ async def run_loop(schedule: str, k: int, steps: int, P: int = 4, seed: int = 0)
         return []
 
     parts = SimpleNamespace(
-        schedule=SCHEDULES[schedule](admission, k),
+        schedule=SCHEDULES[schedule](admission, k, turns=device_turns if turns else None),
         collector=BatchCollector(results, {}, None, 10, admission=admission),
         driver_spans=Spans("driver"),
         health=SimpleNamespace(oversample_reached=lambda *a: None),
@@ -120,7 +171,7 @@ async def run_loop(schedule: str, k: int, steps: int, P: int = 4, seed: int = 0)
     )
     run = SimpleNamespace(timeline=lambda spans: None)
     tasks = [asyncio.create_task(admission.feed())] + [
-        asyncio.create_task(actor(prompts, results, rec, version, rng)) for _ in range(2)
+        asyncio.create_task(actor(prompts, results, rec, version, rng, engine)) for engine in engines
     ]
     staleness = []
     try:
@@ -129,6 +180,7 @@ async def run_loop(schedule: str, k: int, steps: int, P: int = 4, seed: int = 0)
             staleness += [step - int(v) for g in batch.groups for t in g.trajectories for v in t.policy_versions]
             admission.trained(batch.groups)
             rec.training = True  # the update: the learner uses every core
+            rec.events.append(("train", step))
             await asyncio.sleep(rng.uniform(0.001, 0.004))
             rec.training = False
             await publish(run, parts, step + 1, steps)
@@ -153,6 +205,17 @@ def test_colocated_generation_and_training_take_turns(k):
     # only each phase's last version reaches the actors (the last step's too)
     assert rec.pushed == [p.stop for p in phases]
     assert max(staleness) == min(k, steps - 1) and min(staleness) == 0
+
+
+def test_between_colocated_phases_the_actors_sleep_and_wake_with_the_version_just_published():
+    k, steps = 1, 5
+    rec, staleness = asyncio.run(run_loop("colocated", k, steps, turns=True))
+    assert rec.overlaps == 0 and max(staleness) == k
+    expected = []
+    for start in range(0, steps, k + 1):  # two actors
+        expected += ["offload", ("wake", start), ("wake", start), "sleep", "sleep", "reload"]
+        expected += [("train", s) for s in range(start, min(start + k + 1, steps))]
+    assert rec.events == expected  # the learner's states out before the engines wake, back after they sleep
 
 
 def test_overlapped_generates_beside_training_and_publishes_every_version():
