@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from learner.algorithms import AGGREGATIONS, KL_ESTIMATORS
 from learner.algorithms.importance import LEVELS as TIS_LEVELS
 from learner.algorithms.importance import MODES as TIS_MODES
+from learner.algorithms.rejection import DIVERGENCES, REDUCTIONS, RejectRule
 from learner.attention import CHOICES as ATTENTION_CHOICES
 from learner.methods import METHODS
 from learner.schedule import SCHEDULES
@@ -96,7 +97,9 @@ class KLConfig(Section):
         "none", description="Where the KL to the reference model goes: per-token reward shaping, a loss term, or off."
     )
     estimator: Literal[tuple(KL_ESTIMATORS)] = Field(  # type: ignore[valid-type]
-        "k3", description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l."
+        "k3",
+        description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l, abs = |l|; k1_plus, k3_plus: the value of "
+        "k1 or k3 with k2's unbiased gradient (for placement=loss).",
     )
     beta: float = Field(0.01, ge=0, description="KL coefficient (the starting value when adaptive).")
     adaptive: bool = Field(
@@ -138,15 +141,61 @@ class SoftOverlongConfig(Section):
     factor: float = Field(1.0, ge=0, description="Penalty at the length limit (ramps linearly from 0).")
 
 
+class RejectConfig(Section):
+    """One rejection rule (``learner/algorithms/rejection.py``): keep while low <= divergence <= high."""
+
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Reject tokens one by one, or whole sequences by a reduction of their tokens'."
+    )
+    divergence: Literal[DIVERGENCES] = Field(  # type: ignore[valid-type]
+        "k3", description="Per-token learner/sampler divergence: k1 = -l, k2 = l^2/2, k3 = rho - 1 - l."
+    )
+    reduce: Literal[REDUCTIONS] = Field(  # type: ignore[valid-type]
+        "mean", description="Sequence level: the mean, sum or max of its tokens' divergences."
+    )
+    low: float | None = Field(None, description="Keep only at or above this (empty: no lower bound).")
+    high: float | None = Field(None, description="Keep only at or below this (empty: no upper bound).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RejectConfig:
+        self.rule()
+        return self
+
+    def rule(self) -> RejectRule:
+        return RejectRule(self.level, self.divergence, self.reduce, self.low, self.high).check()
+
+
 class TISConfig(Section):
     mode: Literal[("none", *TIS_MODES)] = Field(  # type: ignore[valid-type]
         "truncate",
-        description="Sampler/learner correction: weight min(rho, cap), drop tokens outside [1/cap, cap], or none.",
+        description="Sampler/learner correction: weight min(rho, cap) (truncate), drop tokens outside [1/cap, cap] "
+        "(mask), weight rho inside [low, high] and drop the rest (band), or none.",
     )
     level: Literal[TIS_LEVELS] = Field(  # type: ignore[valid-type]
         "token", description="Ratio per token, or per sequence (geometric mean of its token ratios)."
     )
     cap: float = Field(2.0, gt=1, description="C: the truncation cap (and the mask's band [1/C, C]).")
+    low: float | None = Field(None, ge=0, lt=1, description="band: the lowest ratio kept (empty: 1/cap).")
+    high: float | None = Field(None, gt=1, description="band: the highest ratio kept (empty: cap).")
+    normalize: bool = Field(
+        False,
+        description="Rescale the importance weights to mean 1 over each optimizer step's trained tokens (or "
+        "sequences, at the sequence level), over every rank: truncation then does not shrink the step.",
+    )
+    reject: list[RejectConfig] = Field(
+        [],
+        description="Rejection rules by learner/sampler divergence, all applied (a token is trained if every rule "
+        "keeps it); each: level, divergence, reduce, low, high.",
+    )
+
+    def rules(self) -> tuple[RejectRule, ...]:
+        return tuple(r.rule() for r in self.reject)
+
+    @model_validator(mode="after")
+    def _normalize_needs_weights(self) -> TISConfig:
+        if self.normalize and self.mode == "none":
+            raise ValueError("algorithm.tis.normalize rescales importance weights, and tis.mode is none: set a mode")
+        return self
 
 
 class EstimatorConfig(Section):
@@ -326,7 +375,7 @@ class AlgorithmConfig(Section):
                 "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term does not involve the "
                 "reference (it is grad log pi of the sampled tokens): zero in expectation on-policy, and off-policy "
                 "it pushes the policy away from the sampler, never towards the reference; use estimator=k2 (its "
-                "gradient is that of the KL) or k3"
+                "gradient is that of the KL), or k1_plus / k3_plus (their value, k2's gradient)"
             )
         return out
 

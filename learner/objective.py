@@ -14,7 +14,8 @@ from functools import partial
 from torch import Tensor
 
 from learner.algorithms import get_kl_estimator, tis_weights, token_weights
-from learner.config import AlgorithmConfig
+from learner.algorithms.rejection import rejection_mask
+from learner.config import AlgorithmConfig, TISConfig
 from learner.rank_batch import CompletionView
 from learner.shard import Normaliser
 
@@ -34,6 +35,13 @@ def aggregation_weights(tokens: CompletionView, normaliser: Normaliser, aggregat
     )
 
 
+def importance_weights(tis: TISConfig) -> Callable | None:
+    """``(learner_logprobs, sampler_logprobs, mask) -> (weights [n, T], metrics)`` of ``tis``, or None."""
+    if tis.mode == "none":
+        return None
+    return partial(tis_weights, cap=tis.cap, level=tis.level, mode=tis.mode, low=tis.low, high=tis.high)
+
+
 def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     """``objective(learner_logprobs [n, T], tokens, normaliser, kl_beta) -> (loss, metrics)``.
 
@@ -41,8 +49,10 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     when there are several updates per batch or a KL needs them, otherwise the current
     log-probs, detached (the same values at the only update; the ratio is then 1).
     Truncated importance sampling multiplies the policy term's token weights by
-    ``min(pi_old / pi_sampler, C)`` (or masks): a correction for the sampler's staleness that
-    stays fixed across epochs and minibatches, stacked with PPO's own ratio to the old policy.
+    ``min(pi_old / pi_sampler, C)`` (or masks, or keeps the ratio inside a band): a correction for
+    the sampler's staleness that stays fixed across epochs and minibatches, stacked with PPO's own
+    ratio to the old policy. Rejection rules (``tis.reject``) multiply them by 0 where the learner
+    and the sampler diverge too much, token by token or whole sequences.
     A KL loss term ``beta * sum_t w_t KL_t`` is added when ``kl.placement == "loss"``.
     """
     method = algorithm.method
@@ -53,7 +63,9 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     policy_loss = partial(method.loss, **params)
     weigh = partial(aggregation_weights, aggregation=algorithm.aggregation, max_tokens=max_tokens)
     tis = algorithm.tis
-    importance = partial(tis_weights, cap=tis.cap, level=tis.level, mode=tis.mode) if tis.mode != "none" else None
+    importance = importance_weights(tis)
+    reject = partial(rejection_mask, rules=tis.rules()) if tis.reject else None
+    normalize = tis.normalize
     kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.in_loss else None
 
     def objective(learner_logprobs: Tensor, tokens: CompletionView, normaliser: Normaliser, kl_beta: float):
@@ -63,7 +75,13 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
         policy_weights, metrics = weights, {}
         if importance is not None:  # w_t *= min(pi_old / pi_sampler, C) (or a 0/1 mask), fixed across updates
             is_weights, metrics = importance(old, tokens.sampler_logprobs, mask)
+            if normalize:  # w_t / mean(w): the step's mean weight over its trained units becomes 1
+                is_weights = is_weights / normaliser.is_mean
             policy_weights = weights * is_weights
+        if reject is not None:  # w_t *= 1[every rule keeps the token and its sequence]
+            keep, reject_metrics = reject(old, tokens.sampler_logprobs, mask)
+            policy_weights = policy_weights * keep
+            metrics.update(reject_metrics)
         loss, loss_metrics = policy_loss(learner_logprobs, old, tokens.advantages, mask, policy_weights)
         metrics.update(loss_metrics)
         if kl is not None:

@@ -17,6 +17,7 @@ use plain torch), built by ``learner/worker.py``; nothing here knows about Ray o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,9 +27,10 @@ import numpy as np
 import torch
 
 from learner.algorithms import get_kl_estimator, masked_moments, value_loss, whiten
+from learner.algorithms.importance import weight_sums
 from learner.config import AlgorithmConfig
 from learner.estimators import TokenRewards
-from learner.objective import aggregation_weights, build_objective
+from learner.objective import aggregation_weights, build_objective, importance_weights
 from learner.packing import PackedInputs, packed_at_completion, packed_completion_logprobs
 from learner.rank_batch import RankBatch
 from learner.returns import token_rewards
@@ -106,7 +108,10 @@ class RankStep:
         self.estimator = algorithm.method.estimator(algorithm)
         self.kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.enabled else None
         # the old policy is scored up front when it differs from the current one at some update, or a KL needs it
-        self.needs_old = models.policy is not None and (algorithm.kl.enabled or algorithm.updates_per_batch > 1)
+        # (or the importance weights' batch mean)
+        self.needs_old = models.policy is not None and (
+            algorithm.kl.enabled or algorithm.updates_per_batch > 1 or algorithm.tis.normalize
+        )
         self.vocab = 1
         self.batch: RankBatch | None = None
         self.tokens: TokenRewards | None = None
@@ -180,7 +185,21 @@ class RankStep:
         self.tokens = TokenRewards(rewards, mask, batch.column("old_values"), step_rewards, step_end, completion)
         per_sequence = {name: v.numpy() for name, v in self.estimator.summarise(self.tokens).items()}
         kl_sum = float((kl * mask).sum()) if kl is not None else 0.0
-        return RankSummary(per_sequence, kl_sum, float(mask.sum()))
+        is_sums = self._importance_sums() if self.algorithm.tis.normalize else None
+        return RankSummary(per_sequence, kl_sum, float(mask.sum()), is_sums)
+
+    def _importance_sums(self) -> list[tuple[float, float]]:
+        """``tis.normalize``: each minibatch's (sum, count) of the importance weights on this rank."""
+        weigh, level, sums = importance_weights(self.algorithm.tis), self.algorithm.tis.level, []
+        for micro_batches in self.batch.minibatches:
+            total = count = 0.0
+            for micro in micro_batches:
+                view = self.batch.view(micro)
+                weights, _ = weigh(view.old_logprobs, view.sampler_logprobs, view.completion_mask)
+                part, n = weight_sums(weights, view.completion_mask, level)
+                total, count = total + part, count + n
+            sums.append((total, count))
+        return sums
 
     def expand(self, per_sequence: dict[str, np.ndarray]) -> tuple[RankAdvantages, Exports]:
         """Advantages (and critic targets) of this rank's tokens; returns their moments for whitening,
@@ -195,9 +214,12 @@ class RankStep:
                 exports.returns = self.batch.export_flat("returns")
         return RankAdvantages(masked_moments(advantages, tokens.mask).numpy()), exports
 
-    def train(self, whitening: np.ndarray | None, kl_beta: float, *imports: Exports) -> dict[str, float]:
+    def train(
+        self, whitening: np.ndarray | None, kl_beta: float, *imports: Exports, is_means: list[float] | None = None
+    ) -> dict[str, float]:
         """Every epoch, every minibatch: forward/backward its micro-batches, one optimizer step
-        (of the policy and/or the critic). ``whitening``: the whole batch's advantage moments.
+        (of the policy and/or the critic). ``whitening``: the whole batch's advantage moments;
+        ``is_means``: each minibatch's mean importance weight over every rank (``tis.normalize``).
         Returns token-weighted mean metrics; ``loss`` is this rank's share of the global policy
         loss (summed over minibatches and epochs)."""
         start = time.monotonic()
@@ -216,7 +238,9 @@ class RankStep:
         for model in self._trainable():
             model.train()
         for _ in range(batch.epochs):
-            for normaliser, micro_batches in zip(batch.normalisers, batch.minibatches, strict=True):
+            for index, (normaliser, micro_batches) in enumerate(zip(batch.normalisers, batch.minibatches, strict=True)):
+                if is_means is not None:
+                    normaliser = dataclasses.replace(normaliser, is_mean=is_means[index])
                 finite = True
                 for micro in micro_batches:
                     view = batch.view(micro)

@@ -86,6 +86,7 @@ class Normaliser:
 
     num_tokens: float  # trained completion tokens
     num_sequences: float
+    is_mean: float = 1.0  # tis.normalize: the step's mean importance weight (known after scoring)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class RankSummary:
     per_sequence: dict[str, np.ndarray]  # the estimator's summary, [n] each, in the rank's order
     kl_sum: float  # sum over trained tokens of KL_t(old || ref) (0 without a KL)
     tokens: float  # trained tokens on this rank
+    is_sums: list[tuple[float, float]] | None = None  # tis.normalize: (sum, count) of the weights per minibatch
 
 
 @dataclass

@@ -264,9 +264,9 @@ class LearnerWorker:
         with self.spans.span("advantages"):
             return self.step.expand(per_sequence)
 
-    def train(self, whitening, kl_beta: float, *imports):
+    def train(self, whitening, kl_beta: float, *imports, is_means: list[float] | None = None):
         with self.spans.span("train"):
-            return self.step.train(whitening, kl_beta, *imports)
+            return self.step.train(whitening, kl_beta, *imports, is_means=is_means)
 
     def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed completion under the current policy (for checks and tests)."""

@@ -30,9 +30,12 @@ TIS_KEYS = {
     "learner/tis_rho_mean": "rho mean",
     "learner/tis_rho_max": "rho max",
     "learner/tis_truncated_frac": "truncated fraction",
+    "learner/tis_masked_frac": "masked fraction (mask, band)",
     "learner/tis_mismatch_kl": "mismatch KL",
     "learner/tis_ess": "ESS (normalised)",
+    "learner/tis_batch_mean": "batch mean weight (before normalising)",
 }
+REJECT_PREFIX = "learner/reject_"  # learner/reject_<rule>_frac per rejection rule, and the totals
 KIND_COLOURS = {
     "generate": "#2ca02c",
     "environment": "#e377c2",  # multi-turn episodes: resets and steps in the environment workers
@@ -146,14 +149,19 @@ def staleness_figure(runs: list[RunData]) -> Figure | None:
 
 
 def tis_figure(runs: list[RunData]) -> Figure | None:
-    """Truncated importance sampling between the sampler's and the learner's log-probs (one panel per statistic)."""
-    keys = [key for key in TIS_KEYS if _has(runs, key)]
-    if not keys:
+    """Importance sampling between the sampler's and the learner's log-probs, and what each rejection rule
+    dropped (one panel per statistic)."""
+    titles = {key: title for key, title in TIS_KEYS.items() if _has(runs, key)}
+    rejected = sorted({k for run in runs for m in run.metrics for k in m if k.startswith(REJECT_PREFIX)})
+    for key in rejected:  # reject_seq_mean_k3_frac -> "rejected: seq mean k3"
+        titles[key] = "rejected: " + key.removeprefix(REJECT_PREFIX).removesuffix("_frac").replace("_", " ")
+    if not titles:
         return None
-    fig, axes = _figure(2, 3, 6.0, "Truncated importance sampling (sampler vs learner)")
-    for ax, key in zip(axes, keys):
-        _curves(ax, runs, key, TIS_KEYS[key], TIS_KEYS[key].split(" (")[0])
-    for ax in axes[len(keys) :]:
+    rows = -(-len(titles) // 3)
+    fig, axes = _figure(rows, 3, 3.0 * rows, "Importance sampling and rejection (sampler vs learner)")
+    for ax, (key, title) in zip(axes, titles.items()):
+        _curves(ax, runs, key, title, title.split(" (")[0])
+    for ax in axes[len(titles) :]:
         ax.set_visible(False)
     return fig
 

@@ -66,12 +66,12 @@ class _Method:
     def options(self, num_returns: int = 1):
         return _Method(self.target, self.name, num_returns, self.calls)
 
-    def remote(self, *args):
+    def remote(self, *args, **kwargs):
         import asyncio
 
         async def call():
             resolved = [await a if isinstance(a, FakeRef) else a for a in args]
-            out = getattr(self.target, self.name)(*resolved)
+            out = getattr(self.target, self.name)(*resolved, **kwargs)
             if self.calls is not None:
                 self.calls.append((self.name, resolved, out))
             return out

@@ -260,3 +260,29 @@ def test_masked_truncated_completion_keeps_its_kl_in_the_baseline(tiny_model_dir
     assert plain[trained].abs().sum() > 1e-3
     torch.testing.assert_close(masked[trained], plain[trained], atol=1e-5, rtol=1e-4)
     assert masked[~trained].abs().sum() == 0
+
+
+def test_batch_normalised_importance_weights_have_one_global_mean_on_any_number_of_ranks(tiny_model_dir):
+    # tis.normalize divides the truncated weights by their mean over the step's trained tokens, summed over
+    # the ranks: one rank and two see the same mean, and at the first update the policy loss (linear in the
+    # weights) is the plain one divided by it
+    b, common = batches(seed=1), ["learner.token_budget=40", "algorithm.tis.cap=1.05"]
+    plain = step(fake_group(tiny_model_dir, *common), b)
+    one = step(fake_group(tiny_model_dir, *common, "algorithm.tis.normalize=true"), b)
+    two = step(fake_group(tiny_model_dir, *common, "algorithm.tis.normalize=true", ranks=2), b)
+    assert 0.0 < one["tis_batch_mean"] < 1.0  # the fake sampler disagrees, and truncation at 1.05 cuts more
+    assert two["tis_batch_mean"] == pytest.approx(one["tis_batch_mean"], rel=1e-9)
+    assert one["loss"] == pytest.approx(plain["loss"] / one["tis_batch_mean"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+
+
+def test_rejection_rules_drop_tokens_from_the_loss_and_say_how_many(tiny_model_dir):
+    b = batches(seed=1)
+    everything = "[{level: token, divergence: k2, high: 0.0}]"  # every token whose ratio is not exactly 1
+    nothing = "[{level: sequence, divergence: k3, reduce: max, high: 1000.0}]"
+    dropped = step(fake_group(tiny_model_dir, f"algorithm.tis.reject={everything}"), b)
+    kept = step(fake_group(tiny_model_dir, f"algorithm.tis.reject={nothing}"), b)
+    plain = step(fake_group(tiny_model_dir), b)
+    assert dropped["reject_token_k2_frac"] > 0.9 and dropped["reject_token_frac"] > 0.9
+    assert abs(dropped["loss"]) < 0.1 * abs(plain["loss"])
+    assert kept["reject_seq_max_k3_frac"] == 0.0 and kept["loss"] == pytest.approx(plain["loss"], rel=1e-6)

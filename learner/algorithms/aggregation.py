@@ -12,6 +12,11 @@ Modes (``mask`` is ``[B, T]``, 1.0 on real completion tokens, 0.0 on padding):
 * ``"token_mean"``   w_{i,t} = m_{i,t} / N_tokens                  (DAPO token-level mean)
 * ``"seq_mean"``     w_{i,t} = m_{i,t} / (|o_i| * N_seqs)          (GRPO: mean of per-sequence means)
 * ``"fixed_length"`` w_{i,t} = m_{i,t} / (L_max * N_seqs)          (Dr. GRPO, Liu et al. 2025)
+* ``"token_sum"``    w_{i,t} = m_{i,t}                             (the sum over every trained token)
+* ``"seq_mean_token_sum"`` w_{i,t} = m_{i,t} / N_seqs              (each sequence's token sum, averaged)
+
+The two sums let a sequence's weight grow with its length (as the mean modes do not); with them the
+step's size grows with the number of tokens, so the learning rate must be set for it.
 
 ``N_tokens`` and ``N_seqs`` are GLOBAL counts; ``|o_i|`` is the sequence's own token
 count, which is local to the sequence and therefore safe to compute here.
@@ -54,10 +59,23 @@ def _fixed_length(mask: Tensor, num_tokens: float | None, num_sequences: float |
     return mask / (l_max * n_seqs)  # w = m / (L_max * N_seqs)
 
 
+def _token_sum(mask: Tensor, num_tokens: float | None, num_sequences: float | None, max_len: int | None) -> Tensor:
+    return mask.clone()  # w = m
+
+
+def _seq_mean_token_sum(
+    mask: Tensor, num_tokens: float | None, num_sequences: float | None, max_len: int | None
+) -> Tensor:
+    n_seqs = _require(num_sequences, "num_sequences", "seq_mean_token_sum")
+    return mask / n_seqs  # w = m / N_seqs
+
+
 _WEIGHT_FNS: dict[str, Callable[[Tensor, float | None, float | None, int | None], Tensor]] = {
     "token_mean": _token_mean,
     "seq_mean": _seq_mean,
     "fixed_length": _fixed_length,
+    "token_sum": _token_sum,
+    "seq_mean_token_sum": _seq_mean_token_sum,
 }
 
 AGGREGATIONS: tuple[str, ...] = tuple(_WEIGHT_FNS)

@@ -7,6 +7,18 @@ The estimators of KL(pi || pi_ref) follow J. Schulman, "Approximating KL Diverge
 * ``k2 = 0.5 * l^2``              biased, low variance, >= 0
 * ``k3 = exp(-l) - 1 + l``        unbiased, low variance, >= 0 (``(rho - 1) - log rho`` with
                                   ``rho = pi_ref / pi = exp(-l)``)
+* ``abs = |l|``                   biased, >= 0
+
+As a loss term (``kl.placement: loss``) what matters is the gradient. With samples from pi,
+``E[grad k2] = E[l grad log pi] = grad KL(pi || pi_ref)``: k2's gradient is the KL's, unbiased.
+k1's gradient ``grad log pi`` has expectation 0, and k3's, ``(1 - exp(-l)) grad log pi``, is the
+gradient of KL(pi_ref || pi), the other direction. The straight-through forms keep the value of k1
+or k3 (what is logged and added) and take the gradient of k2:
+
+* ``k1_plus = k1 + k2 - stop_grad(k2)``,  ``k3_plus = k3 + k2 - stop_grad(k2)``   (value: k1, k3)
+
+``exact_kl`` is the KL over the whole vocabulary at each position, from both models' logits,
+``sum_v p(v) (log p(v) - log q(v))``, computed ``chunk`` positions at a time.
 
 Each estimator maps ``[B, T]`` logprobs to a ``[B, T]`` per-token KL, zero where ``mask``
 is 0 (if a mask is given). Reward shaping and the adaptive coefficient follow Ziegler et al.
@@ -47,7 +59,50 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) ->
     return torch.exp(-log_ratio) - 1.0 + log_ratio  # k3 = e^{-l} - 1 + l
 
 
-KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+def kl_abs(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``|l|``. ``[B, T], [B, T] -> [B, T]``."""
+    return _log_ratio(logprobs, ref_logprobs, mask).abs()  # |l|
+
+
+def _with_k2_gradient(value: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None) -> Tensor:
+    k2 = kl_k2(logprobs, ref_logprobs, mask)
+    return value.detach() + (k2 - k2.detach())  # the value of `value`, the gradient of k2
+
+
+def kl_k1_plus(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``k1 + k2 - stop_grad(k2)``: k1's value, k2's (unbiased) gradient. ``[B, T] -> [B, T]``."""
+    return _with_k2_gradient(kl_k1(logprobs, ref_logprobs, mask), logprobs, ref_logprobs, mask)
+
+
+def kl_k3_plus(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``k3 + k2 - stop_grad(k2)``: k3's value, k2's (unbiased) gradient. ``[B, T] -> [B, T]``."""
+    return _with_k2_gradient(kl_k3(logprobs, ref_logprobs, mask), logprobs, ref_logprobs, mask)
+
+
+def exact_kl(logits: Tensor, ref_logits: Tensor, mask: Tensor | None = None, chunk: int = 1024) -> Tensor:
+    """KL(pi || pi_ref) over the whole vocabulary at each position: ``[N, V], [N, V] -> [N]``
+    (or ``[B, T, V] -> [B, T]``), ``sum_v softmax(z)_v (log_softmax(z)_v - log_softmax(z_ref)_v)``,
+    ``chunk`` positions at a time (at most ``chunk x V`` floats of each distribution live at once;
+    the gradient flows to ``logits``). 0 where ``mask`` is 0."""
+    shape = logits.shape[:-1]
+    flat, ref = logits.reshape(-1, logits.shape[-1]), ref_logits.reshape(-1, ref_logits.shape[-1])
+    parts = []
+    for start in range(0, flat.shape[0], max(chunk, 1)):
+        logp = torch.log_softmax(flat[start : start + chunk].float(), dim=-1)
+        logq = torch.log_softmax(ref[start : start + chunk].float(), dim=-1)
+        parts.append((logp.exp() * (logp - logq)).sum(-1))  # sum_v p (log p - log q)
+    kl = torch.cat(parts).reshape(shape) if parts else flat.new_zeros(shape, dtype=torch.float32)
+    return kl if mask is None else torch.where(mask > 0, kl, torch.zeros_like(kl))
+
+
+KL_ESTIMATORS: dict[str, KLEstimator] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+    "abs": kl_abs,
+    "k1_plus": kl_k1_plus,
+    "k3_plus": kl_k3_plus,
+}
 
 
 def get_kl_estimator(name: str) -> KLEstimator:

@@ -1,0 +1,181 @@
+"""Off-policy corrections and KL forms (issue 30), against numbers worked out by hand:
+band masking, batch-normalised weights, rejection by divergence, the k+ KL gradients, the exact
+KL in chunks, and the token-sum aggregations."""
+
+import math
+
+import pytest
+import torch
+
+from learner.algorithms.aggregation import token_weights
+from learner.algorithms.importance import tis_weights, weight_sums
+from learner.algorithms.kl import exact_kl, kl_abs, kl_k1, kl_k1_plus, kl_k2, kl_k3, kl_k3_plus
+from learner.algorithms.rejection import RejectRule, rejection_mask, token_divergences
+
+D = torch.float64
+LN2 = math.log(2.0)
+
+
+def _t(rows):
+    return torch.tensor(rows, dtype=D)
+
+
+# --- band masking --------------------------------------------------------------------------------
+def test_band_keeps_the_ratio_inside_and_drops_outside_token_level():
+    rho = [0.4, 0.5, 1.0, 2.5, 5.0, 6.0]  # band [0.5, 5]: the ends are kept
+    learner, sampler, mask = _t([[math.log(r) for r in rho]]), _t([[0.0] * 6]), _t([[1.0] * 6])
+    w, m = tis_weights(learner, sampler, mask, mode="band", low=0.5, high=5.0)
+    assert w[0].tolist() == pytest.approx([0.0, 0.5, 1.0, 2.5, 5.0, 0.0])
+    assert m["tis_masked_frac"].item() == pytest.approx(2 / 6)
+    # the default band is [1/C, C]
+    w, _ = tis_weights(learner, sampler, mask, mode="band", cap=2.0)
+    assert w[0].tolist() == pytest.approx([0.0, 0.5, 1.0, 0.0, 0.0, 0.0])
+
+
+def test_band_at_the_sequence_level_weighs_whole_sequences_by_their_geometric_mean():
+    # row 0: token ratios 4 and 1/4 -> geometric mean 1 (kept, weight 1 on both)
+    # row 1: token ratios 4 and 4 -> 4 > high = 3 (dropped); row 2: 2 and padding -> 2 (kept, weight 2)
+    learner = _t([[2 * LN2, -2 * LN2], [2 * LN2, 2 * LN2], [LN2, 9.0]])
+    mask = _t([[1, 1], [1, 1], [1, 0]])
+    w, m = tis_weights(learner, torch.zeros_like(learner), mask, level="sequence", mode="band", low=0.5, high=3.0)
+    assert torch.allclose(w, _t([[1.0, 1.0], [0.0, 0.0], [2.0, 0.0]]))
+    assert m["tis_masked_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_band_bounds_are_checked():
+    x = _t([[0.0]])
+    with pytest.raises(ValueError, match="0 <= low < 1 < high"):
+        tis_weights(x, x, x + 1, mode="band", low=1.5, high=3.0)
+
+
+# --- batch normalisation -------------------------------------------------------------------------
+def test_batch_normalised_weights_have_mean_one_over_the_steps_trained_tokens():
+    # two micro-batches (or ranks): truncated weights [2, 1, 0.5] and [0.25, padding]
+    w1, mask1 = _t([[2.0, 1.0, 0.5]]), _t([[1, 1, 1]])
+    w2, mask2 = _t([[0.25, 7.0]]), _t([[1, 0]])
+    (s1, n1), (s2, n2) = weight_sums(w1, mask1), weight_sums(w2, mask2)
+    assert (s1, n1, s2, n2) == (3.5, 3.0, 0.25, 1.0)  # padding counts in neither
+    mean = (s1 + s2) / (n1 + n2)  # 3.75 / 4 = 0.9375
+    normalised = torch.cat([w1[0], w2[0, :1]]) / mean
+    assert normalised.mean().item() == pytest.approx(1.0)
+    assert normalised.tolist() == pytest.approx([2 / 0.9375, 1 / 0.9375, 0.5 / 0.9375, 0.25 / 0.9375])
+    # sequence level: one weight per sequence (its tokens share it), averaged over sequences
+    seq_w = _t([[2.0, 2.0, 0.0], [0.5, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    assert weight_sums(seq_w, _t([[1, 1, 0], [1, 0, 0], [0, 0, 0]]), "sequence") == (2.5, 2.0)
+
+
+# --- rejection by divergence ---------------------------------------------------------------------
+def test_token_divergences_by_hand():
+    # l = ln 2: k1 = -ln 2, k2 = (ln 2)^2 / 2, k3 = 2 - 1 - ln 2
+    d = token_divergences(_t([[LN2, 0.0]]), _t([[0.0, 0.0]]), _t([[1, 1]]))
+    assert d["k1"][0].tolist() == pytest.approx([-LN2, 0.0])
+    assert d["k2"][0].tolist() == pytest.approx([LN2**2 / 2, 0.0])
+    assert d["k3"][0].tolist() == pytest.approx([1 - LN2, 0.0])
+
+
+def test_a_sequence_is_rejected_by_its_mean_k3():
+    # row 0: l = [ln 2, 0, 0, 0] -> k3 = [0.30685, 0, 0, 0], mean 0.0767 (kept by high = 0.1)
+    # row 1: l = [ln 2, ln 2] -> mean k3 0.30685 (rejected); row 2: identical policies, k3 = 0 (kept)
+    learner = _t([[LN2, 0, 0, 0], [LN2, LN2, 0, 0], [0, 0, 0, 0]])
+    mask = _t([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    rule = RejectRule("sequence", "k3", "mean", high=0.1)
+    keep, m = rejection_mask(learner, torch.zeros_like(learner), mask, (rule,))
+    assert keep.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]]
+    assert m["reject_seq_mean_k3_frac"].item() == pytest.approx(1 / 3)
+    assert m["reject_token_frac"].item() == pytest.approx(2 / 9)
+    assert m["reject_seq_frac"].item() == pytest.approx(1 / 3)
+    # the same rule by the sum: row 0's 0.30685 now exceeds 0.1 too; by the max, the same
+    for reduce in ("sum", "max"):
+        keep, _ = rejection_mask(
+            learner, torch.zeros_like(learner), mask, (RejectRule("sequence", "k3", reduce, high=0.1),)
+        )
+        assert keep[:, 0].tolist() == [0, 0, 1]
+
+
+def test_token_k2_and_a_sequence_mean_k1_band_combine():
+    # token k2 <= 0.2 drops the token with l = ln 2 (k2 = 0.2402) and keeps l = -0.5 (k2 = 0.125);
+    # sequence mean k1 = mean(-l) in [-0.3, 0.3]: row 0 mean(-[ln2, 0]) = -0.3466 (rejected whole),
+    # row 1 mean(-[-0.5, 0]) = 0.25 (kept)
+    learner, mask = _t([[LN2, 0.0], [-0.5, 0.0]]), _t([[1, 1], [1, 1]])
+    rules = (RejectRule("token", "k2", high=0.2), RejectRule("sequence", "k1", "mean", low=-0.3, high=0.3))
+    keep, m = rejection_mask(learner, torch.zeros_like(learner), mask, rules)
+    assert keep.tolist() == [[0, 0], [1, 1]]
+    assert m["reject_token_k2_frac"].item() == pytest.approx(1 / 4)
+    assert m["reject_seq_mean_k1_frac"].item() == pytest.approx(1 / 2)
+    assert m["reject_token_frac"].item() == pytest.approx(2 / 4)
+
+
+def test_padding_is_never_kept_and_rules_need_a_bound():
+    keep, _ = rejection_mask(_t([[5.0, 5.0]]), _t([[0.0, 0.0]]), _t([[1, 0]]), (RejectRule(high=1000.0),))
+    assert keep.tolist() == [[1, 0]]
+    with pytest.raises(ValueError, match="neither low nor high"):
+        RejectRule().check()
+    with pytest.raises(ValueError, match="low < high"):
+        RejectRule(low=1.0, high=0.5).check()
+
+
+# --- KL with unbiased gradients ----------------------------------------------------------------
+def _grad(estimator, logprobs, ref):
+    x = logprobs.clone().requires_grad_(True)
+    value = estimator(x, ref, torch.ones_like(ref))
+    value.sum().backward()
+    return value.detach(), x.grad
+
+
+def test_k_plus_has_the_value_of_k1_or_k3_and_the_gradient_of_k2():
+    logprobs, ref = _t([[-0.2, -1.5, -3.0]]), _t([[-0.9, -1.0, -2.0]])
+    _, g2 = _grad(kl_k2, logprobs, ref)
+    assert torch.allclose(g2, _t([[0.7, -0.5, -1.0]]))  # d(l^2/2)/dlog pi = l
+    for plain, plus in ((kl_k1, kl_k1_plus), (kl_k3, kl_k3_plus)):
+        value, grad = _grad(plus, logprobs, ref)
+        assert torch.allclose(value, plain(logprobs, ref, torch.ones_like(ref)))
+        assert torch.allclose(grad, g2)
+    assert kl_abs(logprobs, ref)[0].tolist() == pytest.approx([0.7, 0.5, 1.0])
+
+
+def test_k2_gradient_is_the_exact_kl_gradient_in_expectation():
+    """Over a whole 3-token vocabulary, sum_v pi(v) grad_z k2(v) = grad_z KL(pi || pi_ref): k2's
+    gradient is unbiased; k1's sums to 0 and k3's to the gradient of the reverse KL."""
+    z = torch.tensor([0.3, -0.2, 1.1], dtype=D, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.5, -0.4], dtype=D), -1)
+    exact = torch.autograd.grad(exact_kl(z, ref), z)[0]
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp().detach()
+    grads = {}
+    for name, est in (("k1", kl_k1), ("k2", kl_k2), ("k3", kl_k3)):
+        grads[name] = torch.autograd.grad((p * est(logp, ref)).sum(), z, retain_graph=True)[0]
+    assert torch.allclose(grads["k2"], exact)
+    assert torch.allclose(grads["k1"], torch.zeros(3, dtype=D), atol=1e-12)
+    reverse = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), z)[0]  # grad KL(pi_ref || pi)
+    assert torch.allclose(grads["k3"], reverse)
+
+
+def test_chunked_exact_kl_equals_the_full_vocabulary_kl():
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(2, 7, 11, dtype=D), torch.randn(2, 7, 11, dtype=D)
+    mask = torch.ones(2, 7)
+    mask[1, 5:] = 0
+    full = torch.nn.functional.kl_div(
+        torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1), log_target=True, reduction="none"
+    ).sum(-1)  # sum_v p (log p - log q)
+    chunked = exact_kl(logits, ref_logits, mask, chunk=3)
+    assert torch.allclose(chunked, (full * mask).float(), atol=1e-6)
+    # by hand on two tokens: p = (1/2, 1/2), q = (1/4, 3/4): KL = 0.5 ln 2 + 0.5 ln(2/3)
+    one = exact_kl(torch.log(_t([[0.5, 0.5]])), torch.log(_t([[0.25, 0.75]])))
+    assert one.item() == pytest.approx(0.5 * LN2 + 0.5 * math.log(2 / 3))
+
+
+# --- token-sum aggregations ----------------------------------------------------------------------
+def test_token_sum_aggregations_by_hand_and_split_over_micro_batches():
+    mask = _t([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert token_weights(mask, "token_sum").tolist() == mask.tolist()  # w = m
+    assert token_weights(mask, "seq_mean_token_sum", num_sequences=4).tolist() == (mask / 4).tolist()
+    loss = _t([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    # seq_mean_token_sum over 2 sequences: ((1 + 2 + 3) + 4) / 2 = 5, the same when each row is its own micro-batch
+    whole = (loss * token_weights(mask, "seq_mean_token_sum", num_sequences=2)).sum()
+    parts = sum(
+        (loss[i : i + 1] * token_weights(mask[i : i + 1], "seq_mean_token_sum", num_sequences=2)).sum()
+        for i in range(2)
+    )
+    assert whole.item() == pytest.approx(5.0) and parts.item() == pytest.approx(5.0)
+    assert (loss * token_weights(mask, "token_sum")).sum().item() == pytest.approx(10.0)
