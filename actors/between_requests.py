@@ -22,7 +22,7 @@ from typing import Any
 from actors.adapters import Adapters, lora_kwargs
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
-from actors.sleep import Turns, check_sleep_mode, sleep_kwargs
+from actors.sleep import Turns, check_sleep_mode
 from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params, turn_params
 from cluster.channel import WeightReceiver
 from cluster.timeline import Spans
@@ -166,12 +166,13 @@ class BetweenRequests:
 
     # --- turns with the learner (run.schedule=colocated, actors/sleep.py) ----------------
     async def sleep(self) -> None:
-        """Generate nothing until ``wake``; free the engine's memory at the spec's level, once a generate
-        call still running (a held-out round's) has ended."""
+        """Generate nothing until ``wake``; free the engine's memory at the spec's level, once the generate
+        call still running (a held-out round's) has ended and its groups are pushed."""
         async with self.turns.asleep():
             if self.turns.level:  # (the span: only what the engine does, not the wait for a running call)
                 with self.spans.span("sleep", self.clock.version):
-                    await self.on_engine(lambda: self.llm.sleep(self.turns.level, **sleep_kwargs(self.llm.sleep)))
+                    # no pause mode: the in-process engine refuses any but its default, and nothing runs now
+                    await self.on_engine(self.llm.sleep, self.turns.level)
 
     async def wake(self, channel: WeightReceiver, min_version: int, timeout: float) -> int:
         """The weights' memory back, the newest version (at least ``min_version``) loaded into it, then the

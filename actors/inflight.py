@@ -41,7 +41,6 @@ class InFlight:
         self._update_lock = asyncio.Lock()
         self.adapters = Adapters(spec.adapter, spec.model_path, spec.name) if spec.adapter else None
         self.turns = Turns(spec.sleep_level)
-        self._held_asleep = False  # the update lock, held from sleep to wake: the watcher loads nothing
 
     async def start(self) -> None:
         if self.llm is None:
@@ -129,8 +128,8 @@ class InFlight:
             return await self._load(named_tensors, version, mode)
 
     async def _load(self, named_tensors: list, version: int, mode: str, asleep: bool = False) -> int:
-        """``load_weights`` with the update lock held. ``asleep``: into the weights of an engine woken only
-        that far (``wake``): its scheduler stays paused and it has no KV cache, so nothing pauses or resets."""
+        """``load_weights`` with the update lock held. ``asleep``: into an engine whose scheduler ``sleep``
+        paused and whose cache it cleared (``wake``), so nothing pauses, resets or resumes here."""
         if version <= self.clock.version:
             return self.clock.version
         wall = time.time()
@@ -189,20 +188,22 @@ class InFlight:
 
     # --- turns with the learner (run.schedule=colocated, actors/sleep.py) ----------------
     async def sleep(self) -> None:
-        """Start no generation and load no weights until ``wake``; free the engine's memory at the spec's
-        level once the requests still running (a held-out round's) have finished."""
+        """Start no generation and load no weights until ``wake``; the running requests (a held-out
+        round's) are paused and kept, and with a GPU the engine frees its memory at the spec's level."""
+        if not self.turns.awake.is_set():
+            return
         self.turns.awake.clear()
-        if not self._held_asleep:
-            await self._update_lock.acquire()  # the watcher's next load waits for the wake
-            self._held_asleep = True
-        if self.turns.level:
-            with self.spans.span("sleep", self.clock.version):
+        await self._update_lock.acquire()  # held until the wake: the watcher's next load waits for it
+        with self.spans.span("sleep", self.clock.version):
+            if self.turns.level:  # the engine's own sleep pauses its scheduler, keeping the requests
                 await self.llm.sleep(self.turns.level, **sleep_kwargs(self.llm.sleep))
+            else:
+                await self.llm.pause_generation(mode="keep", clear_cache=True)
 
     async def wake(self, channel: WeightReceiver, min_version: int, timeout: float) -> int:
         """The weights' memory back, the newest version (at least ``min_version``) loaded into it, then the
-        KV cache (an adapter is loaded once the engine is whole); generation may start again. Returns the
-        version loaded (an awake engine, e.g. before the first phase, loads as its prompts ask)."""
+        KV cache (an adapter is loaded once the engine is whole); the kept requests and new ones go on.
+        Returns the version loaded (an awake engine, e.g. before the first phase, loads as its prompts ask)."""
         if self.turns.awake.is_set():
             return self.clock.version
         level = self.turns.level
@@ -213,13 +214,13 @@ class InFlight:
                     await self.llm.wake_up(["weights"])
                 if self.adapters is None and newest > self.clock.version:
                     version, named = await asyncio.to_thread(channel.fetch, newest, timeout)
-                    await self._load(named, version, "keep", asleep=bool(level))  # the update lock is ours
+                    await self._load(named, version, "keep", asleep=True)  # the update lock is ours
                 if level:
-                    await self.llm.wake_up(["kv_cache"])
+                    await self.llm.wake_up(["kv_cache"])  # fully awake: the scheduler resumes
+                else:
+                    await self.llm.resume_generation()
             finally:
-                if self._held_asleep:
-                    self._held_asleep = False
-                    self._update_lock.release()
+                self._update_lock.release()
             if self.adapters is not None:
                 await self.sync_weights(channel, newest, timeout)
         self.turns.awake.set()

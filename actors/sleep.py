@@ -82,9 +82,10 @@ class Turns:
 
 
 def sleep_kwargs(sleep_fn) -> dict:
-    """``mode="wait"`` where the engine's ``sleep`` takes it (vLLM >= 0.32): a request still running
-    (a held-out round's) finishes before the memory goes, instead of being aborted."""
+    """``mode="keep"`` where the async engine's ``sleep`` takes it (vLLM >= 0.32): a request still running
+    (a held-out round's, or one admitted late in the phase) is kept, not aborted, and after the wake it is
+    recomputed under the new weights, its later tokens tagged with the new version."""
     try:
-        return {"mode": "wait"} if "mode" in inspect.signature(sleep_fn).parameters else {}
+        return {"mode": "keep"} if "mode" in inspect.signature(sleep_fn).parameters else {}
     except (TypeError, ValueError):
         return {}

@@ -207,4 +207,6 @@ def device_turns(cfg: TandemConfig, pool: ActorPool, learner) -> DeviceTurns | N
     if cfg.run.schedule != "colocated":
         return None
     offload = cfg.resources.learner.num_gpus > 0
-    return DeviceTurns(lambda: list(pool.actors), learner, offload, cfg.run.startup_timeout_s)
+    turns = DeviceTurns(lambda: list(pool.actors), learner, offload, cfg.run.startup_timeout_s)
+    pool.on_replaced = turns.joined  # a replacement started during training sleeps like the others
+    return turns

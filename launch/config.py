@@ -190,6 +190,8 @@ class TandemConfig(Section):
                 f"{'GPUs' if gpus else 'CPUs'}: set resources.actors.num_gpus {'> 0' if gpus else '= 0'} "
                 "(docs/schedules.md)"
             )
+        if self.run.schedule == "colocated" and gpus:
+            self._check_offload()
         episodes = self.rollout.kind == "multi_turn"
         if self.reward.uses_environment and not episodes:
             raise ValueError(
@@ -207,6 +209,21 @@ class TandemConfig(Section):
                 f"rollout.max_tokens = {self.rollout.max_tokens}"
             )
         return self
+
+    def _check_offload(self) -> None:
+        """Colocated on GPUs the learner's states leave the device while the engines generate, which
+        DeepSpeed does at ZeRO stages 1-3, and under ZeRO-3 not with frozen parameters (LoRA)."""
+        zero = self.learner.zero_stage
+        if zero == 0:
+            raise ValueError(
+                "run.schedule = colocated on GPUs moves the learner's optimizer states to host memory while the "
+                "engines generate, which DeepSpeed does at ZeRO stages 1-3: set learner.zero_stage=1"
+            )
+        if zero == 3 and self.learner.lora is not None:
+            raise ValueError(
+                "run.schedule = colocated on GPUs with learner.lora cannot offload the learner under ZeRO-3 (DeepSpeed "
+                "maps the frozen base into the trained partitions' buffer): set learner.zero_stage=1 or 2"
+            )
 
     @property
     def warnings(self) -> list[str]:

@@ -201,6 +201,7 @@ async def publish(run: RunLog, parts: RunParts, version: int, steps: int) -> Non
     (and one a held-out round needs)."""
     if parts.schedule.publishes() or parts.evaluator.due(version, steps):
         run.timeline(await parts.learner.publish_weights(version))
+        parts.schedule.published(version)
     run.timeline(parts.driver_spans.take())
     await parts.admission.published(version)  # policy version `version` is now on the channel
 

@@ -118,7 +118,7 @@ class LearnerWorker:
         self.spans = Spans(name or f"learner-{rank}")  # returned by publish_weights, once a step
         self._listener = None  # rank 0: the socket its group store will serve on (rendezvous_address)
         self._published = False  # rank 0 has said what a published version holds
-        self._offloaded: dict[str, list] = {}  # role -> what learner/offload.py moved itself (colocated, GPUs)
+        self._offloaded: dict = {}  # role -> what learner/offload.py moved out (colocated, GPUs)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port listening there only (kept for ``setup``, where rank 0 serves the
@@ -312,6 +312,8 @@ class LearnerWorker:
         the allocator's cache goes back to the device."""
         import torch
 
+        if self._offloaded:  # already out (a second call records nothing new)
+            return
         cuda = torch.cuda.is_available()
         self._offloaded = {role: offload(engine, cuda) for role, engine in self._engines().items()}
         if cuda:
@@ -320,7 +322,8 @@ class LearnerWorker:
     def reload_states(self) -> None:
         """Everything ``offload_states`` moved, back on the device before the training phase."""
         for role, engine in self._engines().items():
-            reload(engine, self._offloaded.pop(role, []))
+            if role in self._offloaded:
+                reload(engine, self._offloaded.pop(role))
 
     def load_checkpoint(self, directory: str) -> None:
         state = saving.load_engines(self._engines(), directory)

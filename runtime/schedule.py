@@ -18,15 +18,12 @@ held-out round due then, or a prompt admitted late in a phase, waits for the nex
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 from contextlib import asynccontextmanager
 
 from runtime.admission import Admission
 from runtime.collector import Batch
-
-SETTLE_S = 60.0  # the longest wait for the turns of a phase that ends with an error, or of the run's end
 
 
 class Overlapped:
@@ -36,6 +33,7 @@ class Overlapped:
     def __init__(self, admission: Admission, max_staleness: int, turns=None):
         self.admission, self.max_staleness, self.turns = admission, max_staleness, turns
         self.ready: collections.deque[Batch] = collections.deque()  # batches generated, not yet trained
+        self.last_published = admission.pace.version  # the newest version on the weight channel
 
     def phase_steps(self, step: int, steps: int) -> int:
         """How many steps' batches the generation phase starting at ``step`` collects."""
@@ -49,6 +47,10 @@ class Overlapped:
     def publishes(self) -> bool:
         """Whether the version just trained goes to the actors now."""
         return True
+
+    def published(self, version: int) -> None:
+        """``version`` is on the weight channel: the actors can load it."""
+        self.last_published = version
 
     @asynccontextmanager
     async def rest(self):
@@ -69,7 +71,7 @@ class Colocated(Overlapped):
     @asynccontextmanager
     async def generation(self, steps: int, prompts_per_step: int):
         if self.turns is not None:  # the learner's states out, the engines in with the version just published
-            await self.turns.generation(self.admission.pace.version)
+            await self.turns.generation(self.last_published)
         self.admission.resume(budget=steps * prompts_per_step)  # the phase's prompts, none for later steps
         try:
             yield
@@ -82,11 +84,11 @@ class Colocated(Overlapped):
             await self.turns.training()  # the engines out, the learner's states in
 
     async def _settle(self, exc: BaseException) -> None:
-        """After an error inside a phase: the learner's states back for the checkpoint, within a deadline;
-        the run's own error matters more than one of these turns (and a cancelled run just ends)."""
+        """After an error inside a phase: the learner's states back for the checkpoint (the turns have their
+        deadlines); the run's own error matters more than one of these turns (and a cancelled run just ends)."""
         if self.turns is not None and isinstance(exc, Exception):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.turns.training(), SETTLE_S)
+                await self.turns.training()
 
     def publishes(self) -> bool:
         return not self.ready  # the phase's last step: the next phase generates with this version
@@ -96,13 +98,13 @@ class Colocated(Overlapped):
         if self.turns is None:
             yield
             return
-        await self.turns.generation(self.admission.pace.version)
+        await self.turns.generation(self.last_published)  # (a run stopped mid-phase published no later one)
         try:
             yield
         except BaseException as exc:
             await self._settle(exc)
             raise
-        await asyncio.wait_for(self.turns.training(), SETTLE_S)  # the learner's states back for the final save
+        await self.turns.training()  # the learner's states back for the final save
 
 
 SCHEDULES = {"overlapped": Overlapped, "colocated": Colocated}

@@ -207,6 +207,7 @@ class ActorPool(ActorWatch):
         self.max_restarts, self.cannot_restart = max_restarts, cannot_restart
         self.restarts = collections.Counter(restarts or {})
         self.deaths: dict[str, str] = {}  # a death's signature -> the actor that died so first
+        self.on_replaced = None  # async (new actor) -> None: the colocated schedule puts it to sleep in training
         super().__init__({starter.run_loop(a, i): n for i, (a, n) in enumerate(zip(actors, names, strict=True))}, run)
 
     @property
@@ -246,6 +247,8 @@ class ActorPool(ActorWatch):
         await self.admission.again(held)
         self.actors[index] = await self.starter.start(index)
         self.watch(self.starter.run_loop(self.actors[index], index), name)
+        if self.on_replaced is not None:
+            await self.on_replaced(self.actors[index])
 
     async def _held_by(self, name: str) -> list[int]:
         prompt_queue, results_queue = self.queues

