@@ -195,6 +195,8 @@ class TISConfig(Section):
     def _normalize_needs_weights(self) -> TISConfig:
         if self.normalize and self.mode == "none":
             raise ValueError("algorithm.tis.normalize rescales importance weights, and tis.mode is none: set a mode")
+        if (self.low is not None or self.high is not None) and self.mode != "band":
+            raise ValueError(f"algorithm.tis.low/high bound the band, and tis.mode is {self.mode}: set tis.mode=band")
         return self
 
 

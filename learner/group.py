@@ -54,7 +54,7 @@ class Advantages:
     summaries: list
     targets: list
     whitening: np.ndarray | None
-    is_means: list[float] | None = None  # tis.normalize: each minibatch's mean importance weight, all ranks
+    importance: tuple[list[float], float] | None = None  # tis.normalize: per-minibatch means, the batch's
 
 
 def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -102,13 +102,19 @@ def without_tokens(traj: Trajectory) -> Trajectory:
     return dataclasses.replace(traj, completion_mask=np.zeros_like(traj.completion_mask))
 
 
-def importance_means(summaries: list) -> list[float] | None:
+MIN_IS_MEAN = 0.1  # tis.normalize divides by at least this: at most 10x on the tokens that remain
+
+
+def importance_means(summaries: list) -> tuple[list[float], float] | None:
     """``tis.normalize``: each minibatch's mean importance weight over every rank's trained units
-    (``sum / count`` of the ranks' sums; 1 where a minibatch has none, or only zero weights)."""
+    (``sum / count`` of the ranks' sums), floored at ``MIN_IS_MEAN`` (a step whose weights nearly all
+    vanished would otherwise blow up the few left); and the whole batch's mean, unfloored (logged)."""
     if not summaries or summaries[0].is_sums is None:
         return None
     sums = np.sum([s.is_sums for s in summaries], axis=0)  # [minibatches, 2]: sum, count
-    return [float(total / count) if count > 0 and total > 0 else 1.0 for total, count in sums]
+    means = [max(float(total / count), MIN_IS_MEAN) if count > 0 else 1.0 for total, count in sums]
+    total, count = sums.sum(axis=0)
+    return means, float(total / count) if count > 0 else 1.0
 
 
 class LearnerGroup:
@@ -180,13 +186,14 @@ class LearnerGroup:
         stats = await asyncio.gather(*[stats_ref for stats_ref, _ in expanded])
         moments = np.sum([s.moments for s in stats], axis=0)  # [count, sum, sum of squares] of A over the batch
         whitening = moments if self.algorithm.estimator.whiten_advantages else None
-        return Advantages(plan, summaries, [targets for _, targets in expanded], whitening, importance_means(summaries))
+        importance = importance_means(summaries)
+        return Advantages(plan, summaries, [targets for _, targets in expanded], whitening, importance)
 
     async def update(self, advantages: Advantages) -> dict[str, float]:
         """Step 4: every rank trains on its shard (separate critic ranks on the targets the policy ranks
         computed, at the same time); the KL coefficient adapts. Returns the step's learner metrics."""
         algo, beta, summaries = self.algorithm, self.kl_beta, advantages.summaries
-        is_means = advantages.is_means
+        is_means = advantages.importance[0] if advantages.importance else None
         calls = [w.train.remote(advantages.whitening, beta, is_means=is_means) for w in self.workers]
         calls += [c.train.remote(None, beta, targets) for c, targets in zip(self.critics, advantages.targets)]
         results = await asyncio.gather(*calls)
@@ -195,8 +202,8 @@ class LearnerGroup:
             critic = merge_rank_metrics(list(results[len(self.workers) :]))
             metrics.update({k: v for k, v in critic.items() if k.startswith(("critic_", "value_"))})
             metrics["critic_seconds"] = critic["learner_seconds"]
-        if is_means is not None:  # before normalisation: how much truncation and masking shrank the weights
-            metrics["tis_batch_mean"] = float(np.mean(is_means))
+        if advantages.importance:  # before normalisation: how much truncation and rejection shrank the weights
+            metrics["tis_batch_mean"] = advantages.importance[1]
         if algo.kl.enabled:
             kl_mean = sum(s.kl_sum for s in summaries) / max(sum(s.tokens for s in summaries), 1.0)
             metrics.update(kl_ref_mean=kl_mean, kl_beta=beta)

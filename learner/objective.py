@@ -42,6 +42,11 @@ def importance_weights(tis: TISConfig) -> Callable | None:
     return partial(tis_weights, cap=tis.cap, level=tis.level, mode=tis.mode, low=tis.low, high=tis.high)
 
 
+def rejection(tis: TISConfig) -> Callable | None:
+    """``(learner_logprobs, sampler_logprobs, mask) -> (keep [n, T], metrics)`` of ``tis.reject``, or None."""
+    return partial(rejection_mask, rules=tis.rules()) if tis.reject else None
+
+
 def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     """``objective(learner_logprobs [n, T], tokens, normaliser, kl_beta) -> (loss, metrics)``.
 
@@ -64,7 +69,7 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     weigh = partial(aggregation_weights, aggregation=algorithm.aggregation, max_tokens=max_tokens)
     tis = algorithm.tis
     importance = importance_weights(tis)
-    reject = partial(rejection_mask, rules=tis.rules()) if tis.reject else None
+    reject = rejection(tis)
     normalize = tis.normalize
     kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.in_loss else None
 
@@ -75,13 +80,13 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
         policy_weights, metrics = weights, {}
         if importance is not None:  # w_t *= min(pi_old / pi_sampler, C) (or a 0/1 mask), fixed across updates
             is_weights, metrics = importance(old, tokens.sampler_logprobs, mask)
-            if normalize:  # w_t / mean(w): the step's mean weight over its trained units becomes 1
-                is_weights = is_weights / normaliser.is_mean
             policy_weights = weights * is_weights
         if reject is not None:  # w_t *= 1[every rule keeps the token and its sequence]
             keep, reject_metrics = reject(old, tokens.sampler_logprobs, mask)
             policy_weights = policy_weights * keep
             metrics.update(reject_metrics)
+        if normalize:  # w_t / mean(w): the step's mean weight over its trained units (after rejection) is 1
+            policy_weights = policy_weights / normaliser.is_mean
         loss, loss_metrics = policy_loss(learner_logprobs, old, tokens.advantages, mask, policy_weights)
         metrics.update(loss_metrics)
         if kl is not None:

@@ -30,7 +30,7 @@ from learner.algorithms import get_kl_estimator, masked_moments, value_loss, whi
 from learner.algorithms.importance import weight_sums
 from learner.config import AlgorithmConfig
 from learner.estimators import TokenRewards
-from learner.objective import aggregation_weights, build_objective, importance_weights
+from learner.objective import aggregation_weights, build_objective, importance_weights, rejection
 from learner.packing import PackedInputs, packed_at_completion, packed_completion_logprobs
 from learner.rank_batch import RankBatch
 from learner.returns import token_rewards
@@ -105,6 +105,7 @@ class RankStep:
         self.models, self.algorithm, self.layout = models, algorithm, layout
         self.max_tokens, self.world_size = max_tokens, world_size
         self.objective = build_objective(algorithm, max_tokens) if models.policy is not None else None
+        self.reject = rejection(algorithm.tis)
         self.estimator = algorithm.method.estimator(algorithm)
         self.kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.enabled else None
         # the old policy is scored up front when it differs from the current one at some update, or a KL needs it
@@ -189,13 +190,17 @@ class RankStep:
         return RankSummary(per_sequence, kl_sum, float(mask.sum()), is_sums)
 
     def _importance_sums(self) -> list[tuple[float, float]]:
-        """``tis.normalize``: each minibatch's (sum, count) of the importance weights on this rank."""
-        weigh, level, sums = importance_weights(self.algorithm.tis), self.algorithm.tis.level, []
+        """``tis.normalize``: each minibatch's (sum, count) of the importance weights on this rank, after
+        the rejection rules (a rejected token weighs 0 but still counts)."""
+        weigh, reject = importance_weights(self.algorithm.tis), self.reject
+        level, sums = self.algorithm.tis.level, []
         for micro_batches in self.batch.minibatches:
             total = count = 0.0
             for micro in micro_batches:
                 view = self.batch.view(micro)
                 weights, _ = weigh(view.old_logprobs, view.sampler_logprobs, view.completion_mask)
+                if reject is not None:
+                    weights = weights * reject(view.old_logprobs, view.sampler_logprobs, view.completion_mask)[0]
                 part, n = weight_sums(weights, view.completion_mask, level)
                 total, count = total + part, count + n
             sums.append((total, count))

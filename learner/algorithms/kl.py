@@ -17,6 +17,9 @@ or k3 (what is logged and added) and take the gradient of k2:
 
 * ``k1_plus = k1 + k2 - stop_grad(k2)``,  ``k3_plus = k3 + k2 - stop_grad(k2)``   (value: k1, k3)
 
+"Unbiased" holds for tokens sampled from the current pi: with a stale sampler, several epochs or
+minibatches, the samples come from another policy (the KL term is not importance-weighted).
+
 ``exact_kl`` is the KL over the whole vocabulary at each position, from both models' logits,
 ``sum_v p(v) (log p(v) - log q(v))``, computed ``chunk`` positions at a time.
 
@@ -84,14 +87,18 @@ def exact_kl(logits: Tensor, ref_logits: Tensor, mask: Tensor | None = None, chu
     (or ``[B, T, V] -> [B, T]``), ``sum_v softmax(z)_v (log_softmax(z)_v - log_softmax(z_ref)_v)``,
     ``chunk`` positions at a time (at most ``chunk x V`` floats of each distribution live at once;
     the gradient flows to ``logits``). 0 where ``mask`` is 0."""
-    shape = logits.shape[:-1]
+    if chunk < 1:
+        raise ValueError(f"exact_kl needs chunk >= 1, got {chunk}")
+    shape, dtype = logits.shape[:-1], torch.promote_types(logits.dtype, torch.float32)
     flat, ref = logits.reshape(-1, logits.shape[-1]), ref_logits.reshape(-1, ref_logits.shape[-1])
     parts = []
-    for start in range(0, flat.shape[0], max(chunk, 1)):
-        logp = torch.log_softmax(flat[start : start + chunk].float(), dim=-1)
-        logq = torch.log_softmax(ref[start : start + chunk].float(), dim=-1)
-        parts.append((logp.exp() * (logp - logq)).sum(-1))  # sum_v p (log p - log q)
-    kl = torch.cat(parts).reshape(shape) if parts else flat.new_zeros(shape, dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk):
+        logp = torch.log_softmax(flat[start : start + chunk].to(dtype), dim=-1)
+        logq = torch.log_softmax(ref[start : start + chunk].to(dtype), dim=-1)
+        p = logp.exp()
+        term = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))  # 0 log 0 = 0 (a banned token)
+        parts.append(term.sum(-1))  # sum_v p (log p - log q)
+    kl = torch.cat(parts).reshape(shape) if parts else flat.new_zeros(shape, dtype=dtype)
     return kl if mask is None else torch.where(mask > 0, kl, torch.zeros_like(kl))
 
 

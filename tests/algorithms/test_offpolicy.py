@@ -159,7 +159,7 @@ def test_chunked_exact_kl_equals_the_full_vocabulary_kl():
         torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1), log_target=True, reduction="none"
     ).sum(-1)  # sum_v p (log p - log q)
     chunked = exact_kl(logits, ref_logits, mask, chunk=3)
-    assert torch.allclose(chunked, (full * mask).float(), atol=1e-6)
+    assert torch.allclose(chunked, full * mask, atol=1e-12)  # float64 in, float64 out
     # by hand on two tokens: p = (1/2, 1/2), q = (1/4, 3/4): KL = 0.5 ln 2 + 0.5 ln(2/3)
     one = exact_kl(torch.log(_t([[0.5, 0.5]])), torch.log(_t([[0.25, 0.75]])))
     assert one.item() == pytest.approx(0.5 * LN2 + 0.5 * math.log(2 / 3))
@@ -179,3 +179,54 @@ def test_token_sum_aggregations_by_hand_and_split_over_micro_batches():
     )
     assert whole.item() == pytest.approx(5.0) and parts.item() == pytest.approx(5.0)
     assert (loss * token_weights(mask, "token_sum")).sum().item() == pytest.approx(10.0)
+
+
+def test_exact_kl_edge_cases():
+    empty = exact_kl(torch.zeros(0, 5), torch.zeros(0, 5))
+    assert empty.shape == (0,)
+    x, y = torch.randn(3, 5, dtype=D), torch.randn(3, 5, dtype=D)
+    assert torch.allclose(exact_kl(x, y, chunk=100), exact_kl(x, y, chunk=1))  # chunk beyond N, chunk of 1
+    assert exact_kl(x, y).dtype == D  # float64 stays float64
+    banned = torch.tensor([[0.0, 0.0, float("-inf")]])  # a stop token banned before min_tokens: p = 0 there
+    kl = exact_kl(banned, torch.tensor([[0.0, 1.0, float("-inf")]]))
+    assert torch.isfinite(kl).all()
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        exact_kl(x, y, chunk=0)
+
+
+def test_normalisation_comes_after_rejection_and_makes_the_mean_kept_weight_one():
+    """Ratios [0.8, 0.8, 2, 2] truncated at 10 keep themselves; the token rule k2 <= 0.05 rejects the last two
+    (k2 = (ln 2)^2 / 2 = 0.24); the step's mean weight over its 4 trained tokens is (0.8 + 0.8) / 4 = 0.4, so
+    the kept two weigh 2 each. GRPO with A = 1 at the first update and token_mean: loss = -(2 + 2) / 4 = -1."""
+    from launch.config import load_config
+    from learner.objective import build_objective, importance_weights, rejection
+    from learner.rank_batch import CompletionView
+    from learner.shard import Normaliser
+
+    required = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
+    tis = ["algorithm.tis.cap=10", "algorithm.tis.normalize=true"]
+    rule = ["algorithm.tis.reject=[{level: token, divergence: k2, high: 0.05}]"]
+    algorithm = load_config(None, required + tis + rule + ["algorithm.loss.aggregation=token_mean"]).algorithm
+    learner = _t([[math.log(0.8), math.log(0.8), LN2, LN2]])
+    sampler, mask = torch.zeros_like(learner), torch.ones_like(learner)
+    weights, _ = importance_weights(algorithm.tis)(learner, sampler, mask)
+    keep, _ = rejection(algorithm.tis)(learner, sampler, mask)
+    total, count = weight_sums(weights * keep, mask)
+    assert (total, count) == pytest.approx((1.6, 4.0))
+    view = CompletionView(mask, sampler, advantages=torch.ones_like(learner), old_logprobs=learner)
+    objective = build_objective(algorithm, max_tokens=4)
+    loss, metrics = objective(learner.clone().requires_grad_(True), view, Normaliser(4.0, 1.0, total / count), 0.0)
+    assert loss.item() == pytest.approx(-1.0)
+    assert metrics["reject_token_k2_frac"].item() == pytest.approx(0.5)
+
+
+def test_batch_means_per_minibatch_over_ranks_floored_and_the_batch_mean_unfloored():
+    from types import SimpleNamespace
+
+    from learner.group import MIN_IS_MEAN, importance_means
+
+    ranks = [SimpleNamespace(is_sums=[(3.0, 4.0), (0.1, 10.0)]), SimpleNamespace(is_sums=[(1.0, 4.0), (0.1, 10.0)])]
+    means, batch = importance_means(ranks)
+    assert means == pytest.approx([0.5, MIN_IS_MEAN])  # (3 + 1) / 8; 0.2 / 20 = 0.01 floored
+    assert batch == pytest.approx(4.2 / 28)  # all sums over all counts, as logged
+    assert importance_means([SimpleNamespace(is_sums=None)]) is None
