@@ -183,6 +183,11 @@ class TandemConfig(Section):
                 f"algorithm.name = {algo.name} scores every reasoning step with one reward function; set "
                 "reward.function, not a weighted sum in reward.functions"
             )
+        if self.algorithm.kl.exact and self.resources.reference.placement == "separate":
+            raise ValueError(
+                "algorithm.kl.estimator = exact needs the reference's logits on the learner ranks: set "
+                "resources.reference.placement=colocated"
+            )
         gpus = self.resources.learner.num_gpus
         if self.run.schedule == "colocated" and bool(self.resources.actors.num_gpus) != bool(gpus):
             raise ValueError(

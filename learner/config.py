@@ -96,10 +96,11 @@ class KLConfig(Section):
     placement: Literal["none", "reward", "loss"] = Field(
         "none", description="Where the KL to the reference model goes: per-token reward shaping, a loss term, or off."
     )
-    estimator: Literal[tuple(KL_ESTIMATORS)] = Field(  # type: ignore[valid-type]
+    estimator: Literal[(*KL_ESTIMATORS, "exact")] = Field(  # type: ignore[valid-type]
         "k3",
         description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l, abs = |l|; k1_plus, k3_plus: the value of "
-        "k1 or k3 with k2's unbiased gradient (for placement=loss).",
+        "k1 or k3 with k2's unbiased gradient (for placement=loss); exact: the KL over the whole vocabulary from "
+        "both models' logits (placement=loss, the reference on the learner ranks; logged with k3).",
     )
     beta: float = Field(0.01, ge=0, description="KL coefficient (the starting value when adaptive).")
     adaptive: bool = Field(
@@ -121,6 +122,24 @@ class KLConfig(Section):
     @property
     def in_loss(self) -> bool:
         return self.placement == "loss"
+
+    @property
+    def exact(self) -> bool:
+        """The loss term is the exact KL over the vocabulary (``learner/logprobs.py`` ``token_kl``)."""
+        return self.estimator == "exact"
+
+    @property
+    def sampled_estimator(self) -> str:
+        """The estimator from the sampled tokens' log-probs: the logged KL, a KL in the reward (k3 for exact)."""
+        return "k3" if self.exact else self.estimator
+
+    @model_validator(mode="after")
+    def _exact_in_the_loss(self) -> KLConfig:
+        if self.exact and not self.in_loss:
+            raise ValueError(
+                "algorithm.kl.estimator = exact needs both models' logits during the update: set kl.placement=loss"
+            )
+        return self
 
 
 class CriticConfig(Section):

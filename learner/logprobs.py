@@ -105,3 +105,56 @@ def token_entropy(
         p = torch.softmax(z, dim=-1)
         out[start : start + step] = lse - (p * z.masked_fill(p == 0, 0.0)).sum(-1)  # 0 * -inf counts 0
     return out
+
+
+class _ChunkedExactKL(torch.autograd.Function):
+    """``KL_i = sum_v p_v (log p_v - log q_v)`` with ``p = softmax(z_i / tau)``, ``q = softmax(r_i / tau)``;
+    the gradient with respect to the policy's logits, recomputed chunk by chunk in the backward pass:
+
+        d KL_i / d z_{i, v} = p_v (log p_v - log q_v - KL_i) / tau
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ref_logits: Tensor, chunk: int, temperature: float, ban) -> Tensor:
+        out = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.size(0), chunk):
+            logp, logq, p = _pair(logits, ref_logits, start, start + chunk, temperature, ban)
+            out[start : start + chunk] = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
+        ctx.save_for_backward(logits, ref_logits, out)
+        ctx.chunk, ctx.temperature, ctx.ban = chunk, temperature, ban
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, ref_logits, kl = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.size(0), ctx.chunk):
+            end = start + ctx.chunk
+            logp, logq, p = _pair(logits, ref_logits, start, end, ctx.temperature, ctx.ban)
+            g = torch.where(p > 0, p * (logp - logq - kl[start:end, None]), 0.0)
+            grad_logits[start:end] = g * (grad[start:end, None] / ctx.temperature)
+        return grad_logits, None, None, None, None
+
+
+def _pair(logits: Tensor, ref_logits: Tensor, start: int, end: int, temperature: float, ban):
+    """fp32 ``log p``, ``log q`` and ``p`` of rows ``start:end`` (banned stop tokens at probability 0)."""
+    logp = torch.log_softmax(_scaled(logits, start, end, temperature, ban), dim=-1)
+    logq = torch.log_softmax(_scaled(ref_logits, start, end, temperature, ban), dim=-1)
+    return logp, logq, logp.exp()
+
+
+def token_kl(
+    logits: Tensor,
+    ref_logits: Tensor,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+    ban: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """``[N]`` fp32 exact KL(pi_tau || pi_ref_tau) over the whole vocabulary at each of the ``N`` positions,
+    from ``[N, V]`` logits of the policy (differentiable) and of the reference (constants), ``chunk`` rows
+    at a time: the extra memory is a few ``chunk x V`` buffers, whatever ``N`` is. ``ban`` as in
+    ``token_logprobs``: both distributions are the ones the sampler's rules allow."""
+    if logits.size(0) == 0:
+        return logits.new_zeros(0, dtype=torch.float32)
+    step = chunk if chunk > 0 else logits.size(0)
+    return _ChunkedExactKL.apply(logits, ref_logits.detach(), step, float(temperature), ban)

@@ -71,7 +71,8 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
     importance = importance_weights(tis)
     reject = rejection(tis)
     normalize = tis.normalize
-    kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.in_loss else None
+    exact = algorithm.kl.in_loss and algorithm.kl.exact  # from both models' logits in the update: tokens.exact_kl
+    kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.in_loss and not exact else None
 
     def objective(learner_logprobs: Tensor, tokens: CompletionView, normaliser: Normaliser, kl_beta: float):
         mask = tokens.completion_mask
@@ -89,8 +90,8 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
             policy_weights = policy_weights / normaliser.is_mean
         loss, loss_metrics = policy_loss(learner_logprobs, old, tokens.advantages, mask, policy_weights)
         metrics.update(loss_metrics)
-        if kl is not None:
-            kl_t = kl(learner_logprobs, tokens.ref_logprobs, mask)  # [n, T]
+        if kl is not None or exact:
+            kl_t = tokens.exact_kl if exact else kl(learner_logprobs, tokens.ref_logprobs, mask)  # [n, T]
             loss = loss + kl_beta * (kl_t * weights).sum()  # + beta * sum_t w_t KL_t
             metrics["kl_ref"] = ((kl_t * mask).sum() / mask.sum().clamp(min=1)).detach()
         return loss, metrics

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from learner.logprobs import token_entropy, token_logprobs
+from learner.logprobs import token_entropy, token_kl, token_logprobs
 from learner.shard import TokenShard
 
 # ---------------------------------------------------------------------------------------
@@ -329,6 +329,44 @@ def packed_at_completion(per_position: torch.Tensor, batch: PackedInputs) -> tor
     return flat[0, prev]  # [n, T, ...]
 
 
+def _predicting(logits: torch.Tensor, batch: PackedInputs, min_tokens: int, stop_ids: tuple[int, ...]):
+    """The ``[N, V]`` logits of the N predicting positions, and the stop-token ban before ``min_tokens``."""
+    valid = batch.completion_valid  # [n, T]
+    n_keep = int(valid.sum())
+    if logits.shape[:2] == batch.input_ids.shape:
+        picked = logits.reshape(-1, logits.size(-1))[batch.logit_positions]  # [N, V] from the flat rows
+    elif logits.size(1) == n_keep:
+        picked = logits[0]  # [N, V]
+    else:
+        raise ValueError(f"logits cover {logits.size(1)} positions; expected L={batch.input_ids.size(1)} or N={n_keep}")
+    ban = None
+    if min_tokens > 0 and stop_ids:
+        position = torch.arange(valid.size(1), device=valid.device).expand_as(valid)  # [n, T] completion index
+        ban = (position[valid] < min_tokens, torch.tensor(stop_ids, device=picked.device))  # ([N], [S])
+    return picked, ban
+
+
+def packed_completion_kl(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    batch: PackedInputs,
+    mask: torch.Tensor,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+    min_tokens: int = 0,
+    stop_ids: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """``[n, T]`` exact KL(pi || pi_ref) over the vocabulary at every completion position (``kl.estimator:
+    exact``), from both models' logits for the same micro-batch (``learner/logprobs.py`` ``token_kl``),
+    zero on padding and where ``mask`` is 0."""
+    valid = batch.completion_valid
+    picked, ban = _predicting(logits, batch, min_tokens, stop_ids)
+    ref_picked, _ = _predicting(ref_logits, batch, min_tokens, stop_ids)
+    kl = token_kl(picked, ref_picked, chunk, temperature, ban)  # [N] fp32
+    zeros = torch.zeros(valid.shape, dtype=kl.dtype, device=kl.device)
+    return zeros.masked_scatter(valid, kl) * mask.to(zeros.dtype)
+
+
 def packed_completion_logprobs(
     logits: torch.Tensor,
     batch: PackedInputs,
@@ -350,17 +388,7 @@ def packed_completion_logprobs(
     at a time (``learner/logprobs.py``): no fp32 ``[N, V]`` tensor is kept for the backward.
     """
     valid = batch.completion_valid  # [n, T]
-    n_keep = int(valid.sum())
-    if logits.shape[:2] == batch.input_ids.shape:
-        picked = logits.reshape(-1, logits.size(-1))[batch.logit_positions]  # [N, V] from the flat rows
-    elif logits.size(1) == n_keep:
-        picked = logits[0]  # [N, V]
-    else:
-        raise ValueError(f"logits cover {logits.size(1)} positions; expected L={batch.input_ids.size(1)} or N={n_keep}")
-    ban = None
-    if min_tokens > 0 and stop_ids:
-        position = torch.arange(valid.size(1), device=valid.device).expand_as(valid)  # [n, T] completion index
-        ban = (position[valid] < min_tokens, torch.tensor(stop_ids, device=picked.device))  # ([N], [S])
+    picked, ban = _predicting(logits, batch, min_tokens, stop_ids)
     token_logp = token_logprobs(picked, batch.completion_ids[valid], chunk, temperature, ban)  # [N] fp32
     zeros = torch.zeros(valid.shape, dtype=token_logp.dtype, device=token_logp.device)
     keep = valid.to(zeros.dtype) if mask is None else mask.to(zeros.dtype)

@@ -31,7 +31,7 @@ from learner.algorithms.importance import weight_sums
 from learner.config import AlgorithmConfig
 from learner.estimators import TokenRewards
 from learner.objective import aggregation_weights, build_objective, importance_weights, rejection
-from learner.packing import PackedInputs, packed_at_completion, packed_completion_logprobs
+from learner.packing import PackedInputs, packed_at_completion, packed_completion_kl, packed_completion_logprobs
 from learner.rank_batch import RankBatch
 from learner.returns import token_rewards
 from learner.shard import Exports, RankAdvantages, RankShard, RankSummary
@@ -107,7 +107,8 @@ class RankStep:
         self.objective = build_objective(algorithm, max_tokens) if models.policy is not None else None
         self.reject = rejection(algorithm.tis)
         self.estimator = algorithm.method.estimator(algorithm)
-        self.kl = get_kl_estimator(algorithm.kl.estimator) if algorithm.kl.enabled else None
+        self.kl = get_kl_estimator(algorithm.kl.sampled_estimator) if algorithm.kl.enabled else None
+        self.exact_kl = algorithm.kl.enabled and algorithm.kl.exact  # the reference's logits in every update
         # the old policy is scored up front when it differs from the current one at some update, or a KL needs it
         # (or the importance weights' batch mean)
         self.needs_old = models.policy is not None and (
@@ -118,13 +119,26 @@ class RankStep:
         self.tokens: TokenRewards | None = None
 
     # --- the forward passes -----------------------------------------------------------------
-    def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False):
-        logits = model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
+    def _forward(self, model, micro: PackedInputs) -> torch.Tensor:
+        return model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
+
+    def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False, logits=None):
+        logits = self._forward(model, micro) if logits is None else logits
         self.vocab = logits.shape[-1]
         chunk, sampled = self.layout.logprob_chunk, self.layout.sampled
         return packed_completion_logprobs(
             logits, micro, mask, with_entropy, chunk, sampled.temperature, sampled.min_tokens, sampled.stop_ids
         )
+
+    def _exact_kl(self, logits: torch.Tensor, micro: PackedInputs, view) -> torch.Tensor:
+        """``[n, T]`` KL(pi || pi_ref) over the vocabulary (``kl.estimator: exact``): one reference forward."""
+        with torch.no_grad():
+            ref_logits = self._forward(self.models.reference, micro)
+        sampled = self.layout.sampled
+        return packed_completion_kl(
+            logits, ref_logits, micro, view.completion_mask, self.layout.logprob_chunk,
+            sampled.temperature, sampled.min_tokens, sampled.stop_ids,
+        )  # fmt: skip
 
     def _values(self, micro: PackedInputs, mask: torch.Tensor) -> torch.Tensor:
         return packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float() * mask  # [n, T]
@@ -253,7 +267,10 @@ class RankStep:
                     tokens += int(n)
                     metrics = {}
                     if policy is not None:
-                        logprobs, entropy = self._logprobs(policy, micro, view.completion_mask, with_entropy=True)
+                        logits = self._forward(policy, micro)
+                        logprobs, entropy = self._logprobs(policy, micro, view.completion_mask, True, logits)
+                        if self.exact_kl:
+                            view = dataclasses.replace(view, exact_kl=self._exact_kl(logits, micro, view))
                         loss, metrics = self.objective(logprobs, view, normaliser, kl_beta)
                         # DeepSpeed averages gradients over ranks; the loss is already a share of the
                         # global sum, so scale by world size to make the reduced gradient the global one.

@@ -32,6 +32,7 @@ class CompletionView:
     ref_logprobs: Tensor | None = None  # log pi_ref: the frozen reference
     old_values: Tensor | None = None  # V_old: the critic before this batch's first update
     returns: Tensor | None = None  # critic targets V_old + A
+    exact_kl: Tensor | None = None  # kl.estimator exact: KL(pi || pi_ref) over the vocabulary, computed in the update
 
 
 FIELDS = tuple(f.name for f in fields(CompletionView))

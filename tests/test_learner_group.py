@@ -287,3 +287,15 @@ def test_rejection_rules_drop_tokens_from_the_loss_and_say_how_many(tiny_model_d
     assert dropped["reject_token_k2_frac"] > 0.9 and dropped["reject_token_frac"] > 0.9
     assert abs(dropped["loss"]) < 0.1 * abs(plain["loss"])
     assert kept["reject_seq_max_k3_frac"] == 0.0 and kept["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+
+
+def test_the_exact_kl_loss_term_starts_at_zero_and_splits_over_ranks(tiny_model_dir):
+    # the reference is the initial policy: the KL over the whole vocabulary is 0 at the first update, and after
+    # a big step it is positive; two ranks see the same loss as one
+    b, exact = batches(seed=2), ["algorithm.kl.placement=loss", "algorithm.kl.estimator=exact", "algorithm.kl.beta=0.5"]
+    one = step(fake_group(tiny_model_dir, "learner.token_budget=40", *exact), b)
+    two = step(fake_group(tiny_model_dir, "learner.token_budget=40", *exact, ranks=2), b)
+    assert one["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    moved = fake_group(tiny_model_dir, *exact, "algorithm.loss.epochs=2")
+    assert step(moved, b)["kl_ref"] > 1e-6  # the second epoch's policy differs from the reference

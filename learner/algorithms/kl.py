@@ -96,8 +96,9 @@ def exact_kl(logits: Tensor, ref_logits: Tensor, mask: Tensor | None = None, chu
         logp = torch.log_softmax(flat[start : start + chunk].to(dtype), dim=-1)
         logq = torch.log_softmax(ref[start : start + chunk].to(dtype), dim=-1)
         p = logp.exp()
-        term = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))  # 0 log 0 = 0 (a banned token)
-        parts.append(term.sum(-1))  # sum_v p (log p - log q)
+        # 0 log 0 = 0 (a banned token); the log-ratio is zeroed before the product, so no NaN reaches a gradient
+        log_ratio = torch.where(p > 0, logp - logq, torch.zeros_like(p))
+        parts.append((p * log_ratio).sum(-1))  # sum_v p (log p - log q)
     kl = torch.cat(parts).reshape(shape) if parts else flat.new_zeros(shape, dtype=dtype)
     return kl if mask is None else torch.where(mask > 0, kl, torch.zeros_like(kl))
 

@@ -230,3 +230,28 @@ def test_batch_means_per_minibatch_over_ranks_floored_and_the_batch_mean_unfloor
     assert means == pytest.approx([0.5, MIN_IS_MEAN])  # (3 + 1) / 8; 0.2 / 20 = 0.01 floored
     assert batch == pytest.approx(4.2 / 28)  # all sums over all counts, as logged
     assert importance_means([SimpleNamespace(is_sums=None)]) is None
+
+
+def test_the_learners_chunked_exact_kl_and_its_gradient_equal_autograd_through_the_full_vocabulary():
+    """``token_kl`` (what the update uses for ``kl.estimator: exact``): value and gradient, at temperature
+    0.7 with a stop token banned at the first two positions, equal autograd through ``exact_kl`` on the
+    whole vocabulary at once."""
+    from learner.logprobs import token_kl
+
+    torch.manual_seed(1)
+    z, r, g = torch.randn(5, 9, dtype=D), torch.randn(5, 9, dtype=D), torch.randn(5, dtype=D)
+    ban = (torch.tensor([True, True, False, False, False]), torch.tensor([3]))
+    banned = torch.zeros(5, 9, dtype=torch.bool)
+    banned[:2, 3] = True
+
+    def reference(x):  # the same distributions, by hand: z / tau with the banned logit at -inf
+        return exact_kl((x / 0.7).masked_fill(banned, float("-inf")), (r / 0.7).masked_fill(banned, float("-inf")))
+
+    x1, x2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    ours = token_kl(x1, r, chunk=2, temperature=0.7, ban=ban)
+    theirs = reference(x2)
+    assert torch.allclose(ours.double(), theirs, atol=1e-5)
+    (ours * g.float()).sum().backward()
+    (theirs * g).sum().backward()
+    assert torch.allclose(x1.grad, x2.grad, atol=1e-5)
+    assert x1.grad[:2, 3].abs().max() == 0  # no gradient to a token the sampler could not pick
