@@ -114,6 +114,10 @@ class GenerationActor:
         """Start no generation until ``wake``; with a GPU the engine gives its memory back."""
         await self.engine.sleep()
 
+    async def end_turns(self) -> None:
+        """The run is over: a loop waiting for the wake returns instead (its prompts are not generated)."""
+        self.engine.turns.end()
+
     async def wake(self, min_version: int) -> int:
         """Generate again, with the newest published weights (at least ``min_version``) loaded first."""
         await self.serving_started.wait()  # the loop's channel: `run` was called before this

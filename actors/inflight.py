@@ -282,6 +282,8 @@ class InFlight:
                 except QueueClosed:
                     return pushed  # the run is over
                 await self.turns.awake.wait()  # colocated: prompts taken during training wait for the wake
+                if self.turns.ended:
+                    return pushed  # the run ended while this actor slept
                 for request in requests:
                     await self.sync_weights(channel, request.min_version, timeouts.weights_s)
                     task = asyncio.create_task(generate_and_push(request))

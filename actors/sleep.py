@@ -24,6 +24,8 @@ import asyncio
 import inspect
 from contextlib import asynccontextmanager
 
+from queues.bounded import QueueClosed
+
 CPU, GPU = 0, 1  # the levels: what a colocated engine on each device gives back
 
 
@@ -58,12 +60,20 @@ class Turns:
         self.awake = asyncio.Event()
         self.awake.set()  # an actor starts awake: the first phase, or a replacement mid-phase
         self.busy = asyncio.Lock()
+        self.ended = False  # the run is over: prompts taken while asleep are not generated
+
+    def end(self) -> None:
+        """The run is over: whatever waits for the wake stops waiting (``turn`` raises ``QueueClosed``)."""
+        self.ended = True
+        self.awake.set()
 
     @asynccontextmanager
     async def turn(self):
         """Held while generating; entered only while awake (prompts taken during training wait here)."""
         while True:
             await self.awake.wait()
+            if self.ended:
+                raise QueueClosed("the run ended while this actor slept")
             await self.busy.acquire()
             if self.awake.is_set():
                 break

@@ -241,7 +241,7 @@ async def close_channels(run: RunLog, parts: RunParts) -> None:
     """Weights first (a distributed receiver tears its group down on the close header), then the queues:
     every actor waiting on them wakes with ``QueueClosed`` and its loop returns."""
     prompt_queue, results_queue = parts.queues
-    for close in (parts.learner.close_weight_channel, prompt_queue.close, results_queue.close):
+    for close in (parts.schedule.end, parts.learner.close_weight_channel, prompt_queue.close, results_queue.close):
         try:
             await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
         except Exception as exc:  # a failed run's own error matters more than a failed close

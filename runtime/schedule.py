@@ -57,6 +57,9 @@ class Overlapped:
         """The last held-out rounds come back inside: the actors may generate (then the final save)."""
         yield
 
+    async def end(self) -> None:
+        """The run is over (before the queues close)."""
+
 
 class Colocated(Overlapped):
     """Generation and training take turns on shared devices; a phase is ``max_staleness + 1`` steps."""
@@ -105,6 +108,10 @@ class Colocated(Overlapped):
             await self._settle(exc)
             raise
         await self.turns.training()  # the learner's states back for the final save
+
+    async def end(self) -> None:
+        if self.turns is not None:  # an actor asleep with prompts it took would wait for a wake that never comes
+            await self.turns.end()
 
 
 SCHEDULES = {"overlapped": Overlapped, "colocated": Colocated}

@@ -45,6 +45,10 @@ class DeviceTurns:
             if self.offload:
                 await asyncio.wait_for(self.learner.reload_states(), self.timeout_s)
 
+    async def end(self) -> None:
+        """The run is over: an actor asleep with prompts it took stops waiting for a wake."""
+        await self._every_actor("end_turns")
+
     async def joined(self, actor) -> None:
         """A replacement ``actor`` started (awake): asleep too, if the others are."""
         if not self.generating:

@@ -86,6 +86,19 @@ class _Method:
         return tuple(FakeRef(asyncio.ensure_future(part(i))) for i in range(self.num_returns))
 
 
+class AsyncRemote:
+    """An async function called as a Ray actor method is: ``method.remote(*args)`` starts it and returns
+    an awaitable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        import asyncio
+
+        return asyncio.ensure_future(self.fn(*args))
+
+
 class LocalActor:
     """An object whose methods are called like a Ray actor's: ``actor.method.remote(*args)``.
     ``calls`` records (method, arguments, result) for tests that look at what crossed."""

@@ -328,3 +328,27 @@ def test_an_asleep_actor_generates_nothing_until_it_wakes_with_the_version_just_
     group = asyncio.run(go())
     assert all(set(t.policy_versions.tolist()) == {1} for t in group.trajectories)
     assert any(s.kind == "wake" for s in group.spans)
+
+
+@pytest.mark.parametrize("weight_update", ["between_requests", "inflight"])
+def test_an_asleep_actor_holding_prompts_stops_when_the_run_ends(weight_update):
+    """The run ends while an actor sleeps with a prompt it took (a replacement admitted late in the last phase):
+    ``end_turns`` lets its loop return at once, and the prompt is not generated."""
+    engine = FakeLLM() if weight_update == "between_requests" else FakeAsyncLLM()
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, weight_update=weight_update), engine)
+    prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
+
+    async def go():
+        await actor.ready()
+        run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
+        await actor.sleep()
+        await prompts.put_many_async([PromptRequest(0, {"prompt": "copy 5:", "answer": "5"}, 0)], timeout=1)
+        await asyncio.sleep(0.3)
+        await actor.end_turns()
+        report = await asyncio.wait_for(run, 5)
+        prompts.close_now()
+        results.close_now()
+        return report
+
+    report = asyncio.run(go())
+    assert report.groups == 0 and results.size() == 0

@@ -39,7 +39,7 @@ from runtime.ledger import PromptLedger
 from runtime.schedule import SCHEDULES
 from runtime.stopping import StopRequest
 from runtime.turns import DeviceTurns
-from tests.fakes import make_trajectory
+from tests.fakes import AsyncRemote, make_trajectory
 
 REQUIRED = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
 COLOCATED = ["run.schedule=colocated", "resources.actors.count=2", "resources.learner.num_cpus=2"]
@@ -119,15 +119,7 @@ class SimulatedActor:
             rec.events.append(("wake", version))
             turns.awake.set()
 
-        self.sleep, self.wake = Remote(sleep), Remote(wake)
-
-
-class Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
+        self.sleep, self.wake = AsyncRemote(sleep), AsyncRemote(wake)
 
 
 class RecordingLearner:

@@ -31,20 +31,13 @@ from actors.spec import engine_kwargs
 from cluster.timeline import Spans
 from launch.config import load_config
 from runtime.turns import DeviceTurns
+from tests.fakes import AsyncRemote
 from tests.runs import actor_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- the driver --------------------------------------------------------------------------------
-class Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
-
-
 class Handle:
     """A generation actor as the driver calls it; ``error``: what its calls raise."""
 
@@ -60,7 +53,7 @@ class Handle:
             log.append((name, "wake", version))
             return version
 
-        self.sleep, self.wake = Call(sleep), Call(wake)
+        self.sleep, self.wake = AsyncRemote(sleep), AsyncRemote(wake)
 
 
 class Learner:
