@@ -33,7 +33,7 @@ TIS_KEYS = {
     "learner/tis_masked_frac": "masked fraction (mask, band)",
     "learner/tis_mismatch_kl": "mismatch KL",
     "learner/tis_ess": "ESS (normalised)",
-    "learner/tis_batch_mean": "batch mean weight (before normalising)",
+    "learner/tis_batch_mean": "batch mean weight (raw)",
 }
 REJECT_PREFIX = "learner/reject_"  # learner/reject_<rule>_frac per rejection rule, and the totals
 KIND_COLOURS = {

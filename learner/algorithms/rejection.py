@@ -59,7 +59,9 @@ class RejectRule:
                 f"unknown rejection rule {self}; valid: level {LEVELS}, divergence {DIVERGENCES}, reduce {REDUCTIONS}"
             )
         if self.low is None and self.high is None:
-            raise ValueError(f"rejection rule {self.name} has neither low nor high: it would reject nothing")
+            raise ValueError(
+                f"rejection rule {self.name} has neither low nor high: it would reject nothing; set low, high or both"
+            )
         if self.low is not None and self.high is not None and not self.low < self.high:
             raise ValueError(f"rejection rule {self.name} needs low < high, got [{self.low}, {self.high}]")
         return self
