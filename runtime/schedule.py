@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 
 from runtime.admission import Admission
 from runtime.collector import Batch
+from runtime.turns import NoTurns
 
 
 class Overlapped:
@@ -31,7 +32,8 @@ class Overlapped:
     the processes sharing devices do between phases (``runtime/turns.py``; colocated only)."""
 
     def __init__(self, admission: Admission, max_staleness: int, turns=None):
-        self.admission, self.max_staleness, self.turns = admission, max_staleness, turns
+        self.admission, self.max_staleness = admission, max_staleness
+        self.turns = turns or NoTurns()
         self.ready: collections.deque[Batch] = collections.deque()  # batches generated, not yet trained
         self.last_published = admission.pace.version  # the newest version on the weight channel
 
@@ -73,8 +75,7 @@ class Colocated(Overlapped):
 
     @asynccontextmanager
     async def generation(self, steps: int, prompts_per_step: int):
-        if self.turns is not None:  # the learner's states out, the engines in with the version just published
-            await self.turns.generation(self.last_published)
+        await self.turns.generation(self.last_published)  # the learner's states out, the engines in
         self.admission.resume(budget=steps * prompts_per_step)  # the phase's prompts, none for later steps
         try:
             yield
@@ -83,13 +84,12 @@ class Colocated(Overlapped):
             await self._settle(exc)
             raise
         self.admission.pause()
-        if self.turns is not None:
-            await self.turns.training()  # the engines out, the learner's states in
+        await self.turns.training()  # the engines out, the learner's states in
 
     async def _settle(self, exc: BaseException) -> None:
         """After an error inside a phase: the learner's states back for the checkpoint (the turns have their
         deadlines); the run's own error matters more than one of these turns (and a cancelled run just ends)."""
-        if self.turns is not None and isinstance(exc, Exception):
+        if isinstance(exc, Exception):
             with contextlib.suppress(Exception):
                 await self.turns.training()
 
@@ -98,9 +98,6 @@ class Colocated(Overlapped):
 
     @asynccontextmanager
     async def rest(self):
-        if self.turns is None:
-            yield
-            return
         await self.turns.generation(self.last_published)  # (a run stopped mid-phase published no later one)
         try:
             yield
@@ -110,8 +107,7 @@ class Colocated(Overlapped):
         await self.turns.training()  # the learner's states back for the final save
 
     async def end(self) -> None:
-        if self.turns is not None:  # an actor asleep with prompts it took would wait for a wake that never comes
-            await self.turns.end()
+        await self.turns.end()  # an actor asleep with prompts it took would wait for a wake that never comes
 
 
 SCHEDULES = {"overlapped": Overlapped, "colocated": Colocated}

@@ -16,6 +16,19 @@ from __future__ import annotations
 import asyncio
 
 
+class NoTurns:
+    """The turns of processes that share nothing (the loop alone, in tests): nothing to do between phases."""
+
+    async def generation(self, version: int) -> None:
+        pass
+
+    async def training(self) -> None:
+        pass
+
+    async def end(self) -> None:
+        pass
+
+
 class DeviceTurns:
     """``actors()``: the generation actors' handles now (a replaced one included); ``learner``: the
     ``LearnerGroup``; ``offload``: whether the learner moves its states to host memory while the

@@ -300,22 +300,30 @@ def test_between_requests_an_engine_answer_that_cannot_be_read_fails_every_waiti
         asyncio.run(go())
 
 
-@pytest.mark.parametrize("weight_update", ["between_requests", "inflight"])
-def test_an_asleep_actor_generates_nothing_until_it_wakes_with_the_version_just_published(weight_update):
-    """The colocated schedule's training phase (CPU level 0, ``actors/sleep.py``): a prompt taken while asleep
-    waits; the wake loads the newest version first, and the prompt is generated with it."""
+async def asleep_with_a_prompt(weight_update: str):
+    """An actor (fake engine) running its loop, put to sleep, that has then taken one prompt: the colocated
+    schedule's training phase (CPU level 0, ``actors/sleep.py``). Returns the actor, the queues, the weight
+    channel and its running loop."""
     engine = FakeLLM() if weight_update == "between_requests" else FakeAsyncLLM()
     if weight_update == "inflight":
         engine.swapped.set()  # no mid-generation swap here
     actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, weight_update=weight_update), engine)
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
+    await actor.ready()
+    run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
+    await actor.sleep()
+    await prompts.put_many_async([PromptRequest(0, {"prompt": "copy 5:", "answer": "5"}, 0)], timeout=1)
+    await asyncio.sleep(0.3)
+    return actor, prompts, results, channel, run
+
+
+@pytest.mark.parametrize("weight_update", ["between_requests", "inflight"])
+def test_an_asleep_actor_generates_nothing_until_it_wakes_with_the_version_just_published(weight_update):
+    """The colocated schedule's training phase (CPU level 0, ``actors/sleep.py``): a prompt taken while asleep
+    waits; the wake loads the newest version first, and the prompt is generated with it."""
 
     async def go():
-        await actor.ready()
-        run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
-        await actor.sleep()
-        await prompts.put_many_async([PromptRequest(0, {"prompt": "copy 5:", "answer": "5"}, 0)], timeout=1)
-        await asyncio.sleep(0.3)
+        actor, prompts, results, channel, run = await asleep_with_a_prompt(weight_update)
         assert results.size() == 0  # taken, not generated
         channel.publish(1, weights(1.0))
         assert await actor.wake(0) == 1  # the newest published, though the phase asked for at least 0
@@ -334,21 +342,14 @@ def test_an_asleep_actor_generates_nothing_until_it_wakes_with_the_version_just_
 def test_an_asleep_actor_holding_prompts_stops_when_the_run_ends(weight_update):
     """The run ends while an actor sleeps with a prompt it took (a replacement admitted late in the last phase):
     ``end_turns`` lets its loop return at once, and the prompt is not generated."""
-    engine = FakeLLM() if weight_update == "between_requests" else FakeAsyncLLM()
-    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, weight_update=weight_update), engine)
-    prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
 
     async def go():
-        await actor.ready()
-        run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
-        await actor.sleep()
-        await prompts.put_many_async([PromptRequest(0, {"prompt": "copy 5:", "answer": "5"}, 0)], timeout=1)
-        await asyncio.sleep(0.3)
+        actor, prompts, results, _, run = await asleep_with_a_prompt(weight_update)
         await actor.end_turns()
         report = await asyncio.wait_for(run, 5)
         prompts.close_now()
         results.close_now()
-        return report
+        return report, results.size()
 
-    report = asyncio.run(go())
-    assert report.groups == 0 and results.size() == 0
+    report, left = asyncio.run(go())
+    assert report.groups == 0 and left == 0
