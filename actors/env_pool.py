@@ -225,6 +225,22 @@ class _Worker:
         self.conn.close()
 
 
+def _exit_text(proc, wait_s: float = 1.0) -> str | None:
+    """How a dead worker process ended: "exit code 3" or "killed by SIGKILL" (None while it runs)."""
+    import signal
+
+    proc.join(wait_s)
+    code = proc.exitcode
+    if code is None:
+        return None
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class EnvironmentPool:
     """``cfg.workers`` environment workers shared by the episodes of one generation actor."""
 
@@ -295,8 +311,9 @@ class EnvironmentPool:
                 self._replace(worker)
                 raise EpisodeEnded("error", str(exc)) from None
             except (EOFError, OSError) as exc:
+                died = _exit_text(worker.proc) or type(exc).__name__
                 self._replace(worker)
-                raise EpisodeEnded("error", f"the environment worker died during {op} ({type(exc).__name__})") from None
+                raise EpisodeEnded("error", f"the environment worker died during {op} ({died})") from None
             if answer is None:
                 self._replace(worker)
                 raise EpisodeEnded(

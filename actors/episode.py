@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 from actors.env_pool import EnvironmentPool, EpisodeEnded
 from actors.rollout import Completion, Engine, Sample
 from actors.spec import ActorSpec
-from queues.messages import PromptRequest
+from queues.messages import EPISODE_FAILURES, PromptRequest
 
 PROBE_USER, PROBE_ASSISTANT = "U", "A"  # the stand-in conversation the deltas are measured against
 # What a probe's assistant turn holds, tried in order: plain, then with reasoning (a template that renders
 # the last assistant turn with an empty <think> block, as Qwen3's does, only appends to one that has some).
 PROBE_CONTENTS = (PROBE_ASSISTANT, f"<think>\nR\n</think>\n\n{PROBE_ASSISTANT}")
-ENDED_BY_FAILURE = ("timeout", "lost", "error")  # the environment failed: the episode trains no token
+
+
+LOGGED_FAILURES = 3  # episodes ended by each failure reason whose line the actor log shows in full
 
 
 class TemplateError(ValueError):
@@ -131,6 +133,7 @@ class MultiTurn:
         self.spec, self.cfg, self.spans = spec, spec.rollout.episode, spans  # spans: the actor's timeline
         self.budget = spec.rollout.max_tokens
         self.pool: EnvironmentPool | None = None
+        self.failures: dict[str, int] = {}  # episodes ended by each failure (the actor log shows the first ones)
 
     def start(self, tokenizer) -> None:
         """Use ``data.chat_template`` if one was given, check that the template appends turns (else the
@@ -153,12 +156,15 @@ class MultiTurn:
         record = EpisodeRecord()
         try:
             episode, messages, tools = await self._timed(record, self.pool.reset(request.row))
-        except EpisodeEnded as ended:  # no episode: one masked end-of-text token keeps the group whole
+        except EpisodeEnded as ended:  # no episode: one end-of-text token, never trained, keeps the group whole
             record.end, record.detail = ended.reason, ended.detail
+            self._log_failure(request, record)
             renderer = TurnRenderer(engine.tokenizer, [])
             prompt = renderer.prompt([{"role": "user", "content": str(request.row.get("prompt", ""))}])
             eos, version = engine.tokenizer.eos_token_id, request.min_version  # admissible: never dropped as stale
-            return Sample(prompt, [eos], [0], [0.0], [version], "stop", "", episode=record.summary(), model_mask=[0])
+            # model_mask 1: the token stands for the episode in its group's baselines, so the reward it got (a
+            # reward function's penalty for an empty answer, say) counts there as every other episode's does
+            return Sample(prompt, [eos], [0], [0.0], [version], "stop", "", episode=record.summary(), model_mask=[1])
         if self.spec.system_prompt and not (messages and messages[0]["role"] == "system"):
             messages = [{"role": "system", "content": self.spec.system_prompt}, *messages]
         renderer = TurnRenderer(engine.tokenizer, tools)
@@ -213,13 +219,26 @@ class MultiTurn:
             record.end, record.detail = "error", str(exc)
         finally:
             await self.pool.close_episode(episode)
+        if record.end in EPISODE_FAILURES:
+            self._log_failure(request, record)
         while len(record.turn_rewards) < len(record.turn_ends):  # a last turn the environment never answered
             record.turn_rewards.append(0.0)
         text = engine.tokenizer.decode(ids, skip_special_tokens=True)
         # an episode the environment failed trains no token (its reward says nothing of the model), and
         # stays in its group, as an overlong completion under algorithm.shaping.mask_truncated does
-        trained = [0] * len(mask) if record.end in ENDED_BY_FAILURE else mask
+        trained = [0] * len(mask) if record.end in EPISODE_FAILURES else mask
         return Sample(prompt, ids, trained, logprobs, versions, finish, text, episode=record.summary(), model_mask=mask)
+
+    def _log_failure(self, request: PromptRequest, record: EpisodeRecord) -> None:
+        """The actor log's line for an episode its environment failed: the first few of each reason in full,
+        then every hundredth, with the count (the driver's console says each step's counts)."""
+        count = self.failures[record.end] = self.failures.get(record.end, 0) + 1
+        if count <= LOGGED_FAILURES or count % 100 == 0:
+            print(
+                f"[{self.spec.name}] episode of prompt {request.prompt_id} ended by its environment ({count} so far "
+                f"ended {record.end}): {record.end}: {record.detail}",
+                flush=True,
+            )
 
     async def _timed(self, record: EpisodeRecord, call):
         """``call`` (a reset or a step), its time counted as the environment's and on the timeline."""

@@ -119,7 +119,9 @@ async def assemble(
     renderer = PromptRenderer.load(model_path, cfg.data.chat_template, cfg.data.system_prompt)
     stream = PromptStream(rows, cfg.run.seed, cfg.data.shuffle)
     ledger = PromptLedger.restore(stream, state["ledger"]) if resume else PromptLedger(stream)
-    health = RunHealth(cfg.learner.lr, cfg.reward.max_error_steps, cfg.run.max_nonfinite_steps, run.say)
+    health = RunHealth(
+        cfg.learner.lr, cfg.reward.max_error_steps, cfg.run.max_nonfinite_steps, run.say, cfg.run.max_empty_steps
+    )
     health.restore(state.get("health", {}))
     P, k = cfg.rollout.prompts_per_step, cfg.run.max_staleness
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1), actor_options=on_this_node())

@@ -118,6 +118,9 @@ class _RunMiddle(Section):
     max_nonfinite_steps: int = Field(
         3, gt=0, description="Steps in a row with a non-finite loss or gradient (each skipped) before the run stops."
     )
+    max_empty_steps: int = Field(
+        5, gt=0, description="Steps in a row that train no token (failed episodes, all rejected) before the run stops."
+    )
     time_limit: str | float | None = Field(
         None,
         description="Wall-time limit as seconds or [D-]H:MM:SS (e.g. the SLURM allocation): the run checkpoints and "

@@ -143,7 +143,8 @@ async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: S
                 # checkpoint written after a failed push says so (its optimizer has step + 1 updates)
                 step_s = time.monotonic() - t0
                 recent.append(step_s)
-                log_step(cfg, run, parts, step, batch, learner_metrics, step_s)
+                metrics = log_step(cfg, run, parts, step, batch, learner_metrics, step_s)
+            parts.health.trained(step, metrics)  # run.max_empty_steps steps in a row that trained nothing stop it
             evaluate(parts, steps)
             await checkpoint(parts, steps)
         if parts.evaluator.pending:  # the rounds still out (the last one at least) come back before the end
@@ -206,8 +207,11 @@ async def publish(run: RunLog, parts: RunParts, version: int, steps: int) -> Non
     await parts.admission.published(version)  # policy version `version` is now on the channel
 
 
-def log_step(cfg: TandemConfig, run: RunLog, parts: RunParts, step: int, batch: Batch, learner_metrics, step_s: float):
-    """The step's metrics line, distributions and sample completions; the step counts as done."""
+def log_step(
+    cfg: TandemConfig, run: RunLog, parts: RunParts, step: int, batch: Batch, learner_metrics, step_s: float
+) -> dict:
+    """The step's metrics line, distributions and sample completions; the step counts as done. Returns
+    the step's metrics."""
     metrics = step_metrics(batch, learner_metrics, step_s)
     metrics.update(
         prompt_ids=[g.prompt_id for g in batch.groups],
@@ -218,6 +222,7 @@ def log_step(cfg: TandemConfig, run: RunLog, parts: RunParts, step: int, batch: 
     run.step(step, metrics, step_distributions(batch))
     run.samples(sample_records(batch, step, cfg.run.log_samples))
     parts.progress.done = step + 1
+    return metrics
 
 
 def evaluate(parts: RunParts, steps: int) -> None:

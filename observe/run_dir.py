@@ -219,6 +219,8 @@ class RunLog:
             f"{metrics['tokens_per_s']:>7.0f} tok/s | staleness {metrics['staleness_mean']:.2f} "
             f"(max {metrics['staleness_max']}) | {format_seconds(elapsed)} elapsed, ETA {format_seconds(eta)}"
         )
+        if metrics.get("episode/failed"):  # episodes their environment ended (the first texts are said apart)
+            line += f" | {metrics['episode/failed']} episodes failed"
         self.view.step(StepStatus(done, self.total_steps, elapsed, eta, metrics, now), line)
 
     def eval(self, step: int, metrics: dict[str, Any], line: str) -> None:

@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+# ``Trajectory.episode["end"]`` when the environment failed (a step past its deadline, code that raised or
+# answered wrongly, a worker lost): the episode stays in its group and trains no token
+EPISODE_FAILURES = ("timeout", "error", "lost")
+
 
 @dataclass
 class PromptRequest:
@@ -56,6 +60,13 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+    @property
+    def episode_failure(self) -> str | None:
+        """``"<end>: <detail>"`` when its environment failed the episode (``EPISODE_FAILURES``), else None."""
+        if self.episode is None or self.episode.get("end") not in EPISODE_FAILURES:
+            return None
+        return f"{self.episode['end']}: {self.episode.get('detail') or 'no detail'}"
 
 
 @dataclass

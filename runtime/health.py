@@ -13,17 +13,28 @@ reported:
     and no gradient left (a learning rate far too high does this), for ``run.max_nonfinite_steps``
     steps in a row, when it was not uniform at the start, stops the run the same way.
 
+  - episodes their environment failed (``EPISODE_FAILURES``: a step past its deadline, code that raised or
+    answered wrongly, a lost worker): the first text of each kind is said with the step's counts (the
+    progress line carries the counts of every step);
+  - steps that trained no token (``untrained_cause``: every episode failed, every token rejected by
+    ``tis.reject`` or masked): ``run.max_empty_steps`` in a row stop the run with the cause.
+
 ``SignalWatch`` only warns: ``NO_SIGNAL_STEPS`` steps in a row whose every group scored alike (no
-gradient for group-relative advantages) are said once with the likely cause (a reward that never
-fires, a task too easy), as is the first evaluation round whose reward calls failed; summary.json
-records the count, the warnings, and ``learned: false`` when not one step had a signal.
+gradient for group-relative advantages) are said once with the likely cause (failed episodes, rejected
+tokens, a reward that never fires, a task too easy), as is every step that trained no token and the
+first evaluation round whose reward calls failed; summary.json records the counts, the warnings, and
+``learned: false`` when not one step had a signal or trained a token.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from queues.messages import EPISODE_FAILURES
 
 UNIFORM_TOLERANCE = 1e-5  # relative: a random-init model starts near ln V, but not this near
 
@@ -33,9 +44,18 @@ class RunCannotLearn(RuntimeError):
 
 
 class RunHealth:
-    def __init__(self, lr: float, max_error_steps: int, max_nonfinite_steps: int, say: Callable[[str], None]):
+    def __init__(
+        self,
+        lr: float,
+        max_error_steps: int,
+        max_nonfinite_steps: int,
+        say: Callable[[str], None],
+        max_empty_steps: int = 5,
+    ):
         self.lr, self.say = lr, say
         self.max_error_steps, self.max_nonfinite_steps = max_error_steps, max_nonfinite_steps
+        self.max_empty_steps, self.empty_streak = max_empty_steps, 0
+        self.said_failures: set[str] = set()  # episode failure texts said so far
         self.error_streak = self.nonfinite_streak = 0
         self.reported_error = False
         self.nonfinite_total = 0
@@ -52,8 +72,34 @@ class RunHealth:
 
     def check(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
         self._rewards(step, groups)
+        self._episodes(step, groups)
         self._updates(step, groups, metrics)
         self._collapse(step, groups, metrics)
+
+    def trained(self, step: int, metrics: dict[str, Any]) -> None:
+        """After the step is logged (its ``step_metrics``): ``run.max_empty_steps`` steps in a row that
+        trained no token stop the run with the cause (each is said by ``SignalWatch``)."""
+        cause = untrained_cause(metrics)
+        self.empty_streak = self.empty_streak + 1 if cause else 0
+        if cause and self.empty_streak >= self.max_empty_steps:
+            raise RunCannotLearn(
+                f"no token was trained for {self.empty_streak} steps in a row (run.max_empty_steps): {cause}"
+            )
+
+    def _episodes(self, step: int, groups: list) -> None:
+        """The first text of each episode failure is said once, with the step's counts by end."""
+        trajs = [t for g in groups for t in g.trajectories if t.episode is not None]
+        failures = [t.episode_failure for t in trajs if t.episode_failure]
+        new = next((f for f in failures if f not in self.said_failures), None)
+        if new is None or len(self.said_failures) >= MAX_FAILURE_TEXTS:
+            return
+        self.said_failures.add(new)
+        ends = collections.Counter(f.split(":", 1)[0] for f in failures)
+        counts = ", ".join(f"{end} {ends[end]}" for end in EPISODE_FAILURES if ends[end])
+        self.say(
+            f"step {step + 1}: {len(failures)} of {len(trajs)} episodes were ended by their environment ({counts}) "
+            f"and train no token; {new}"
+        )
 
     def oversample_reached(self, step: int, max_oversample: float, prompts_per_step: int) -> None:
         """Dynamic sampling hit its limit: zero-variance groups filled the batch. Said once a run."""
@@ -122,6 +168,75 @@ class RunHealth:
 
 
 NO_SIGNAL_STEPS = 5  # steps in a row without a learning signal before the console says so
+MAX_FAILURE_TEXTS = 10  # distinct episode failure texts said in a run (samples.jsonl keeps the rest)
+MOSTLY = 0.5  # a share of failed episodes or rejected tokens that explains a step without signal
+
+
+def untrained_cause(metrics: dict[str, Any]) -> str | None:
+    """None when the step trained a token (``trained_tokens`` > 0, ``step_metrics``), else why it did not:
+    the rules of ``algorithm.tis`` took out every token, its environment failed every episode, or every
+    completion was cut and masked. A record without ``trained_tokens`` (an older run) trained."""
+    if metrics.get("trained_tokens", 1.0) > 0:
+        return None
+    tokens = float(metrics.get("learner/tokens", 0.0))
+    if tokens > 0:
+        rules = ", ".join(
+            f"{k.removeprefix('learner/reject_').removesuffix('_frac')} {v:.0%}"
+            for k, v in metrics.items()
+            if k.startswith("learner/reject_") and k not in ("learner/reject_token_frac", "learner/reject_seq_frac")
+        )
+        if float(metrics.get("learner/reject_token_frac", 0.0)) >= 1.0:
+            return (
+                f"algorithm.tis.reject rejected all {tokens:.0f} tokens of the step (by rule: {rules}); widen the "
+                "rules' low/high bounds or remove a rule (docs/offpolicy.md)"
+            )
+        return (
+            f"importance sampling's algorithm.tis.mode masked all {tokens:.0f} tokens of the step (weight 0 outside "
+            "its bounds); widen algorithm.tis.cap (or low/high) or use tis.mode=truncate"
+        )
+    failed = float(metrics.get("episode/failed", 0))
+    if failed:
+        ends = ", ".join(
+            f"{end} {metrics[f'episode/end_{end}_frac']:.0%}"
+            for end in EPISODE_FAILURES
+            if metrics.get(f"episode/end_{end}_frac")
+        )
+        return (
+            f"every episode was ended by its environment ({ends}), and such an episode trains no token; first: "
+            f"{metrics.get('episode_failure', '?')}; fix the environment (each failure's text is in samples.jsonl "
+            "and the actor logs; `tandem check-data` runs its reset())"
+        )
+    if float(metrics.get("truncated_frac", 0.0)) >= 1.0:
+        return (
+            "every completion was cut at rollout.max_tokens and algorithm.shaping.mask_truncated trains none of "
+            "them; raise rollout.max_tokens (and engine.max_model_len)"
+        )
+    return "no completion token was left to train on (every token masked out)"
+
+
+@dataclass
+class Silent:
+    """What a step without signal says of its likely cause (``no_signal_cause``)."""
+
+    reward_mean: float
+    reward_std: float
+    truncated_frac: float = 0.0
+    failed_frac: float = 0.0  # episodes ended by their environment
+    rejected_frac: float = 0.0  # tokens rejected by tis.reject
+    failure: str | None = None  # the first failed episode's "<end>: <detail>"
+
+    @classmethod
+    def of(cls, metrics: dict[str, Any]) -> Silent:
+        episodes = sum(v for k, v in metrics.items() if k.startswith("episode/end_") and isinstance(v, float))
+        failed = sum(float(metrics.get(f"episode/end_{end}_frac", 0.0)) for end in EPISODE_FAILURES)
+        return cls(
+            float(metrics.get("reward_mean", 0.0)),
+            float(metrics.get("reward_std", 0.0)),
+            float(metrics.get("truncated_frac", 0.0)),
+            failed / episodes if episodes else 0.0,
+            float(metrics.get("learner/reject_token_frac", 0.0)),
+            metrics.get("episode_failure"),
+        )
 
 
 def no_signal(metrics: dict[str, Any]) -> bool:
@@ -130,14 +245,30 @@ def no_signal(metrics: dict[str, Any]) -> bool:
     return metrics.get("zero_variance_frac", 0.0) >= 1.0
 
 
-def no_signal_cause(rewards: list[tuple[float, ...]]) -> str:
-    """The likely cause, from ``(reward_mean, reward_std[, truncated_frac])`` of the steps without
-    signal: the same score everywhere (0 with most completions cut at the length limit: no room to
-    answer; 0: the reward never fires; 1 or more: the task is too easy; else the reward ignores the
-    completion), or a different score per prompt but one per group."""
-    means = [r[0] for r in rewards]
+def no_signal_cause(rewards: list[Silent | tuple[float, ...]]) -> str:
+    """The likely cause, from each step without signal (``Silent``, or ``(reward_mean, reward_std[,
+    truncated_frac])``): most episodes failed by their environment, or most tokens rejected by
+    ``tis.reject``, before the rewards are blamed; then the same score everywhere (0 with most completions
+    cut at the length limit: no room to answer; 0: the reward never fires; 1 or more: the task is too
+    easy; else the reward ignores the completion), or a different score per prompt but one per group."""
+    steps = [r if isinstance(r, Silent) else Silent(*r) for r in rewards]
+    failed = sum(s.failed_frac for s in steps) / len(steps)
+    if failed >= MOSTLY:
+        first = next((s.failure for s in steps if s.failure), "?")
+        return (
+            f"{failed:.0%} of episodes were ended by their environment and train no token (first: {first}); fix "
+            "the environment (each failure's text is in samples.jsonl and the actor logs)"
+        )
+    rejected = sum(s.rejected_frac for s in steps) / len(steps)
+    if rejected >= MOSTLY:
+        return (
+            f"algorithm.tis.reject rejected {rejected:.0%} of the tokens; widen the rules' low/high bounds or "
+            "remove a rule (docs/offpolicy.md)"
+        )
+    means = [s.reward_mean for s in steps]
     mean = sum(means) / len(means)
-    cut = sum(r[2] if len(r) > 2 else 0.0 for r in rewards) / len(rewards)
+    cut = sum(s.truncated_frac for s in steps) / len(steps)
+    rewards = [(s.reward_mean, s.reward_std) for s in steps]
     if mean <= 0 and cut >= 0.5 and max(means) == min(means):
         return (
             f"all rewards {mean:.2f} and {cut:.0%} of completions were cut at rollout.max_tokens: too short to "
@@ -167,24 +298,25 @@ class SignalWatch:
         self.k = steps_in_a_row
         self.steps = 0
         self.no_signal_steps = 0
-        self.streak: list[tuple[float, ...]] = []  # (reward_mean, reward_std, truncated_frac) of the current stretch
-        self.silent: list[tuple[float, ...]] = []  # the same, of every step without signal
+        self.streak: list[Silent] = []  # the current stretch of steps without signal
+        self.silent: list[Silent] = []  # every step without signal
+        self.empty_steps, self.empty_streak = 0, 0  # steps that trained no token (all, and in a row)
+        self.empty_cause: str | None = None
         self.warnings: list[str] = []
         self.eval_errors = 0
 
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
         self.steps += 1
+        if cause := untrained_cause(metrics):
+            return self._empty(step, cause)
+        self.empty_streak = 0
         if not no_signal(metrics):
             self.streak = []
             return None
-        rewards = (
-            float(metrics.get("reward_mean", 0.0)),
-            float(metrics.get("reward_std", 0.0)),
-            float(metrics.get("truncated_frac", 0.0)),
-        )
+        silent = Silent.of(metrics)
         self.no_signal_steps += 1
-        self.streak.append(rewards)
-        self.silent.append(rewards)
+        self.streak.append(silent)
+        self.silent.append(silent)
         if len(self.streak) != self.k:
             return None
         return self._warn(
@@ -203,6 +335,16 @@ class SignalWatch:
             "(scored 0), so pass@k reads low; fix reward.function (its errors are in the actor logs)"
         )
 
+    def _empty(self, step: int, cause: str) -> str:
+        """A step that trained no token is said every time; the summary keeps the first of each stretch."""
+        self.empty_steps += 1
+        self.empty_streak += 1
+        self.empty_cause = self.empty_cause or cause
+        text = f"step {step + 1} trained 0 tokens: {cause}"
+        if self.empty_streak == 1:
+            self.warnings.append(text)
+        return text
+
     def _warn(self, text: str) -> str:
         self.warnings.append(text)
         return text
@@ -215,10 +357,17 @@ class SignalWatch:
             "eval_reward_errors": self.eval_errors,
             "warnings": list(self.warnings),
         }
-        if self.steps and self.no_signal_steps == self.steps:
+        if self.empty_steps:
+            out["empty_steps"] = self.empty_steps
+        if self.steps and self.empty_steps == self.steps:
             out["learned"] = False
+            out["learned_reason"] = f"no step trained a token (all {self.steps}): {self.empty_cause}"
+        elif self.steps and self.no_signal_steps + self.empty_steps == self.steps:
+            out["learned"] = False
+            which = f"all {self.steps} steps" if not self.empty_steps else f"{self.no_signal_steps} steps"
+            rest = f"; {self.empty_steps} steps trained no token" if self.empty_steps else ""
             out["learned_reason"] = (
-                f"no step had a learning signal (every group of all {self.steps} steps scored alike): "
+                f"no step had a learning signal (every group of {which} scored alike{rest}): "
                 f"{no_signal_cause(self.silent)}"
             )
         return out

@@ -42,7 +42,18 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "step_seconds": step_seconds,
         "tokens_per_s": total_tokens / step_seconds if step_seconds > 0 else 0.0,
         **{f"learner/{k}": v for k, v in learner.items()},
+        "trained_tokens": trained_tokens(learner),
     }
+
+
+def trained_tokens(learner: dict[str, float]) -> float:
+    """The completion tokens the step's loss weighed: the learner's masked-in tokens (an episode its
+    environment failed, an overlong completion under ``mask_truncated``, a tool's output: masked out) less
+    those the importance-sampling rules took out (``tis.reject``, ``tis.mode`` mask or band: weight 0)."""
+    kept = float(learner.get("tokens", 0.0))
+    for key in ("reject_token_frac", "tis_masked_frac"):
+        kept *= 1.0 - float(learner.get(key, 0.0))
+    return kept
 
 
 STALENESS_SAMPLE = 65536  # at most this many per-token staleness values a step reach the histograms
@@ -90,7 +101,10 @@ def episode_metrics(trajs: list) -> dict[str, float]:
     if not episodes:
         return {}
     n = len(episodes)
+    failures = [f for t in trajs if (f := t.episode_failure)]
     out = {
+        "episode/failed": len(failures),  # ended by their environment (EPISODE_FAILURES): no token trained
+        **({"episode_failure": failures[0]} if failures else {}),  # the first one's "<end>: <detail>"
         "episode/turns_mean": sum(e["model_turns"] for e in episodes) / n,
         "episode/tool_calls_mean": sum(e["tool_calls"] for e in episodes) / n,
         "episode/tool_errors_mean": sum(e["tool_errors"] for e in episodes) / n,
@@ -103,26 +117,36 @@ def episode_metrics(trajs: list) -> dict[str, float]:
 
 
 def sample_records(batch: Batch, step: int, count: int) -> list[dict[str, Any]]:
-    """Up to ``count`` completions of the step for ``samples.jsonl``: one from each group in turn."""
-    groups, records = batch.groups, []
+    """Up to ``count`` completions of the step for ``samples.jsonl``: one from each group in turn; when the
+    step had an episode its environment failed and none is among them, the first such one takes the last
+    place (its ``end`` and ``detail`` say what failed)."""
+    groups = batch.groups
+    picked = []
     for i in range(min(count, sum(len(g.trajectories) for g in groups))):
         group = groups[i % len(groups)]
-        if i // len(groups) >= len(group.trajectories):
-            continue
-        traj = group.trajectories[i // len(groups)]
-        version = int(np.min(traj.policy_versions)) if len(traj.policy_versions) else step
-        records.append(
-            {
-                "step": step,
-                "prompt_id": group.prompt_id,
-                "prompt": group.row.get("prompt"),
-                "completion": traj.completion_text,
-                "reward": traj.reward,
-                "policy_version": version,
-                "staleness": step - version,
-                "finish_reason": traj.finish_reason,
-                # an episode turn by turn: model text and environment text apart, and how it ended
-                **({"turns": traj.episode["turns"], "end": traj.episode["end"]} if traj.episode else {}),
-            }
-        )
-    return records
+        if i // len(groups) < len(group.trajectories):
+            picked.append((group, group.trajectories[i // len(groups)]))
+    failed = next(((g, t) for g in groups for t in g.trajectories if t.episode_failure), None)
+    if picked and failed and not any(t.episode_failure for _, t in picked):
+        picked[-1] = failed
+    return [_sample_record(group, traj, step) for group, traj in picked]
+
+
+def _sample_record(group, traj, step: int) -> dict[str, Any]:
+    version = int(np.min(traj.policy_versions)) if len(traj.policy_versions) else step
+    return {
+        "step": step,
+        "prompt_id": group.prompt_id,
+        "prompt": group.row.get("prompt"),
+        "completion": traj.completion_text,
+        "reward": traj.reward,
+        "policy_version": version,
+        "staleness": step - version,
+        "finish_reason": traj.finish_reason,
+        # an episode turn by turn: model text and environment text apart, how it ended, and why when it failed
+        **(
+            {"turns": traj.episode["turns"], "end": traj.episode["end"], "detail": traj.episode.get("detail")}
+            if traj.episode
+            else {}
+        ),
+    }

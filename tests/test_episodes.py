@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 
 from actors.config import EpisodeConfig, RewardConfig, RolloutConfig
 from actors.environments import tool_schema
+from actors.env_pool import EpisodeEnded
 from actors.episode import MultiTurn, TurnRenderer
 from actors.lookup_task import TOOLS_CHAT_TEMPLATE, LookupEnvironment, lookup_rows, tool_call_text
 from actors.rollout import Completion
 from actors.tiny_model import build_chat_tokenizer
+from learner.config import AlgorithmConfig
 from queues.messages import PromptRequest
 from tests.test_environments import BAD_ENV
 
@@ -94,6 +97,7 @@ class _Spec:
 
         self.rollout, self.engine = rollout, EngineConfig(max_model_len=1024)
         self.chat_template, self.system_prompt = None, system_prompt
+        self.name = "actor-0"  # as ActorSpec names it
 
 
 def _episode(tokenizer, turns, max_tokens=200, **episode):
@@ -223,7 +227,7 @@ def test_a_template_that_adds_empty_reasoning_to_the_last_turn_still_appends_tur
         TurnRenderer(tok, []).delta([tok.eos_token_id], [{"role": "tool", "content": "42"}])
 
 
-def test_an_episode_the_environment_failed_trains_no_token_but_stays_in_its_group(tmp_path, tokenizer):
+def test_an_episode_the_environment_failed_trains_no_token_but_stays_in_its_group(tmp_path, tokenizer, capfd):
     (tmp_path / "bad.py").write_text(BAD_ENV)
     rollout = RolloutConfig(
         kind="multi_turn",
@@ -241,6 +245,11 @@ def test_an_episode_the_environment_failed_trains_no_token_but_stays_in_its_grou
     assert sample.episode["end"] == "error" and "the sandbox is gone" in sample.episode["detail"]
     assert sample.mask == [0] * len(sample.token_ids) and sample.model_mask == [1] * len(sample.token_ids)
     assert tokenizer.decode(sample.prompt_token_ids).startswith("<|im_start|>system\nbe brief")  # data.system_prompt
+    # the actor log (its stdout) says which prompt's episode failed, and why
+    assert (
+        "[actor-0] episode of prompt 1 ended by its environment (1 so far ended error): error:"
+        in capfd.readouterr().out
+    )
 
 
 def test_an_episode_never_outgrows_the_engines_context(tokenizer):
@@ -273,3 +282,86 @@ def test_a_per_turn_discount_on_single_turn_completions_is_a_warning():
         "discounts nothing" in w for w in load_config(None, [*base, "algorithm.estimator.discount=turn"]).warnings
     )
     assert not any("discounts nothing" in w for w in load_config(None, base).warnings)
+
+
+def test_an_episode_whose_reset_failed_keeps_its_reward_in_its_groups_baseline(tmp_path, tokenizer):
+    """A failed reset leaves one end-of-text token that trains nothing; the reward its episode got (here a
+    reward function's -0.5 for an empty answer) still counts in the group's baseline: GRPO sees the group's
+    rewards as [-0.5, 1, 0], not [0, 1, 0] (the bug: the token was not the sequence's, so its reward was lost)."""
+    from learner.estimators import TokenRewards
+    from learner.rank_batch import RankBatch
+    from learner.returns import token_rewards
+    from learner.shard import Normaliser, RankShard, TokenShard
+    from queues.messages import Trajectory
+
+    (tmp_path / "bad.py").write_text(BAD_ENV)
+    rollout = RolloutConfig(
+        kind="multi_turn",
+        group_size=3,
+        max_tokens=200,
+        episode={"environment": f"{tmp_path / 'bad.py'}:TextReset", "workers": 1},
+    )
+    fn = MultiTurn(_Spec(rollout))
+    fn.start(tokenizer)
+    try:
+        failed = asyncio.run(fn.episode(PromptRequest(1, {"prompt": "p"}, 3), ScriptedEngine(tokenizer, ["x"]), 0))
+    finally:
+        fn.close()
+    assert failed.episode["end"] == "error" and failed.mask == [0] and failed.model_mask == [1]
+
+    def trajectory(mask, model_mask, reward):
+        return Trajectory(
+            np.array([1, 2], np.int32),
+            np.array([5] * len(mask), np.int32),
+            np.array(mask, np.uint8),
+            np.zeros(len(mask), np.float32),
+            np.zeros(len(mask), np.int32),
+            reward,
+            "stop",
+            "",
+            model_mask=np.array(model_mask, np.uint8),
+        )
+
+    trajs = [
+        trajectory(failed.mask, failed.model_mask, -0.5),
+        trajectory([1, 1], [1, 1], 1.0),
+        trajectory([1], [1], 0.0),
+    ]
+    shard = TokenShard.from_trajectories(trajs, np.array([t.reward for t in trajs], np.float32))
+    batch = RankBatch(RankShard(shard, [[3]], [Normaliser(4.0, 3.0)]), pad_id=0)
+    completion = batch.column("completion_tokens")
+    rewards = token_rewards(batch.rewards, None, batch.column("completion_mask"), 0.0, completion)
+    algo = AlgorithmConfig(name="grpo")
+    summary = algo.method.estimator(algo).summarise(
+        TokenRewards(rewards, batch.column("completion_mask"), completion=completion)
+    )
+    assert summary["reward"].tolist() == [-0.5, 1.0, 0.0]  # the group's baseline: mean 1/6, not 1/3
+
+
+def test_a_killed_environment_worker_ends_its_episode_saying_how_it_died(tmp_path):
+    """kill -9 of the worker in the middle of a step (an OOM killer, a user's kill): the episode ends with
+    reason error and a detail that says the worker was killed, and the next episode gets a new worker."""
+    import os
+    import signal
+    import threading
+
+    from tests.test_environments import _pool
+
+    pool = _pool(tmp_path, "Slow", step_timeout_s=30.0)
+    try:
+
+        async def go():
+            episode, _, _ = await pool.reset({"prompt": "p"})
+            pid = pool.workers[0].proc.pid
+            threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+            with pytest.raises(EpisodeEnded) as ended:
+                await pool.step(episode, tool_call_text("wait", {"seconds": 20}))
+            after, _, _ = await pool.reset({"prompt": "p"})
+            return ended.value, after
+
+        ended, _ = asyncio.run(go())
+        assert ended.reason == "error"
+        assert ended.detail == "the environment worker died during step (killed by SIGKILL)"
+        assert pool.replaced == 1
+    finally:
+        pool.close()

@@ -13,9 +13,12 @@ import pytest
 import launch.train
 from launch.run import UnexpectedError, run_training, signal_summary
 from observe.live import DriverView, PlainLines, StepStatus
-from runtime.health import SignalWatch, no_signal_cause
+from runtime.collector import Batch
+from runtime.health import RunCannotLearn, RunHealth, SignalWatch, Silent, no_signal_cause, untrained_cause
 from runtime.saving import Progress
+from runtime.step_metrics import sample_records, step_metrics
 from runtime.supervise import ActorFailed, ActorKeepsFailing
+from tests.fakes import make_group
 
 
 def step(zero_variance_frac: float, reward_mean: float = 0.0, reward_std: float = 0.0) -> dict:
@@ -204,3 +207,112 @@ def test_a_run_cut_at_the_length_limit_is_told_to_raise_max_tokens():
     )
     assert "check the answers" not in warnings[1]
     assert no_signal_cause([(0.0, 0.0, 0.2)]).startswith("all rewards 0.00: the reward never fires")
+
+
+# --- steps that train nothing, episodes their environment failed -------------------------------
+def _episode_batch(ends: list[str], detail: str = "ValueError: observation must be a string") -> Batch:
+    """One group of episodes ending as ``ends`` ("done", "error", ...): failed ones train no token."""
+    group = make_group(0, [0.0] * len(ends))
+    for traj, end in zip(group.trajectories, ends):
+        failed = end in ("error", "timeout", "lost")
+        traj.episode = {
+            "turns": [],
+            "model_turns": 1,
+            "end": end,
+            "detail": detail if failed else None,
+            "tool_calls": 0,
+            "tool_errors": 0,
+            "environment_s": 0.1,
+            "generate_s": 0.1,
+        }
+        if failed:
+            traj.completion_mask = traj.completion_mask * 0
+    return Batch(groups=[group], step=0, dropped=0, wait_s=0.0)
+
+
+def _learner(batch: Batch, **extra) -> dict:
+    return {"tokens": float(sum(t.completion_mask.sum() for g in batch.groups for t in g.trajectories)), **extra}
+
+
+def test_a_step_whose_every_episode_failed_says_so_with_the_environments_error():
+    batch = _episode_batch(["error", "error", "timeout"])
+    metrics = step_metrics(batch, _learner(batch), 1.0)
+    assert metrics["trained_tokens"] == 0 and metrics["episode/failed"] == 3
+    cause = untrained_cause(metrics)
+    assert cause.startswith("every episode was ended by its environment (timeout 33%, error 67%)")
+    assert "first: error: ValueError: observation must be a string" in cause and "samples.jsonl" in cause
+    watch = SignalWatch()
+    warning = watch.step(4, metrics)
+    assert warning.startswith("step 5 trained 0 tokens: every episode was ended by its environment")
+    assert watch.step(5, metrics).startswith("step 6 trained 0 tokens")  # said every step, kept once
+    summary = watch.summary()
+    assert summary["empty_steps"] == 2 and len(summary["warnings"]) == 1 and summary["learned"] is False
+    assert summary["learned_reason"].startswith("no step trained a token (all 2): every episode was ended")
+    # the samples say what failed, even when the sampled completions would not have shown it
+    records = sample_records(batch, step=0, count=1)
+    assert records[0]["end"] in ("error", "timeout") and records[0]["detail"].startswith("ValueError")
+
+
+def test_some_failed_episodes_are_said_once_per_text_and_ride_on_the_progress_line(tmp_path):
+    from observe.run_dir import RunLog
+
+    said = []
+    health = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=3, say=said.append)
+    batch = _episode_batch(["done", "lost", "done", "done"], detail="its environment worker was replaced")
+    health.check(2, batch.groups, {})
+    health.check(3, batch.groups, {})
+    assert said == [
+        "step 3: 1 of 4 episodes were ended by their environment (lost 1) and train no token; "
+        "lost: its environment worker was replaced"
+    ]
+    metrics = step_metrics(batch, _learner(batch), 1.0)
+    assert (
+        untrained_cause(metrics) is None and metrics["episode_failure"] == "lost: its environment worker was replaced"
+    )
+    out = io.StringIO()
+    run = RunLog(tmp_path, 5, stream=out, config={"run": {"trackers": ["jsonl"], "live": False}})
+    run.step(0, metrics)
+    assert out.getvalue().rstrip().endswith("| 1 episodes failed")
+
+
+def test_steps_that_train_nothing_stop_the_run_after_max_empty_steps_with_the_cause():
+    health = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=3, say=print, max_empty_steps=3)
+    batch = _episode_batch(["done", "done"])
+    rejected = step_metrics(
+        batch, _learner(batch, reject_token_frac=1.0, reject_token_k2_frac=1.0, reject_seq_frac=1.0), 1.0
+    )
+    trained = step_metrics(batch, _learner(batch, reject_token_frac=0.86), 1.0)
+    assert rejected["trained_tokens"] == 0 and trained["trained_tokens"] > 0
+    health.trained(0, rejected)
+    health.trained(1, rejected)
+    health.trained(2, trained)  # a step that trained something ends the streak
+    health.trained(3, rejected)
+    health.trained(4, rejected)
+    with pytest.raises(
+        RunCannotLearn,
+        match=r"no token was trained for 3 steps in a row \(run.max_empty_steps\): "
+        r"algorithm.tis.reject rejected all 6 tokens of the step \(by rule: token_k2 100%\)",
+    ):
+        health.trained(5, rejected)
+
+
+def test_without_signal_the_cause_names_failed_episodes_and_rejected_tokens_before_the_reward():
+    failed = Silent(0.0, 0.0, failed_frac=0.75, failure="timeout: step took longer than 10 s")
+    assert no_signal_cause([failed, failed]).startswith("75% of episodes were ended by their environment")
+    assert "timeout: step took longer" in no_signal_cause([failed])
+    rejected = Silent(0.0, 0.0, rejected_frac=0.86)
+    assert no_signal_cause([rejected]).startswith("algorithm.tis.reject rejected 86% of the tokens")
+    assert "the reward never fires" in no_signal_cause([Silent(0.0, 0.0, failed_frac=0.2, rejected_frac=0.3)])
+    metrics = {
+        "zero_variance_frac": 1.0,
+        "reward_mean": 0.0,
+        "reward_std": 0.0,
+        "episode/end_done_frac": 0.25,
+        "episode/end_error_frac": 0.75,
+        "episode_failure": "error: boom",
+        "trained_tokens": 4.0,
+    }
+    watch = SignalWatch(steps_in_a_row=1)
+    assert "75% of episodes were ended by their environment and train no token (first: error: boom)" in watch.step(
+        0, metrics
+    )
