@@ -23,7 +23,7 @@ import atexit
 import itertools
 import multiprocessing
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,34 +65,59 @@ def load_environment_class(spec: str) -> type:
     return cls
 
 
+@dataclass
+class EnvironmentCheck:
+    """What the start-up check learned from the environment (``check_environment``)."""
+
+    tools: list[dict] = field(default_factory=list)  # its tools' JSON schemas (tool_schema), as the template gets them
+    # per row given, in order: (reset's messages, None), or (None, why reset failed); rows after a reset that
+    # hung or killed its process are not tried
+    resets: list[tuple[list[dict] | None, str | None]] = field(default_factory=list)
+
+
 def _check_main(conn, spec: str, args: dict) -> None:
+    """Load the class, build one instance, send ``("ready", tool schemas)``; then answer each row sent with
+    ``("ok", reset's messages)`` or ``("error", why)`` (a fresh instance per row, as per episode)."""
+    from actors.environments import tool_schema
+
     os.setsid()
     try:
         cls = load_environment_class(spec)
         try:
-            cls(**args)
+            env = cls(**args)
         except Exception as exc:
             raise EnvironmentSpecError(
                 f"rollout.episode.environment {spec!r} could not be built with rollout.episode.args {args}: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
-    except Exception as exc:
-        conn.send(str(exc) if isinstance(exc, EnvironmentSpecError) else f"{type(exc).__name__}: {exc}")
+        tools = [tool_schema(fn) for fn in getattr(env, "tools", None) or []]
+    except EnvironmentSpecError as exc:
+        conn.send(("failed", str(exc)))
         return
-    conn.send(None)
+    except Exception as exc:  # e.g. a tool whose schema cannot be built
+        conn.send(("failed", f"rollout.episode.environment {spec!r}: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", tools))
+    while (row := conn.recv()) is not None:
+        try:
+            conn.send(("ok", _messages(cls(**args).reset(row), "reset()")))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
 
 
-def check_environment(cfg: EpisodeConfig) -> None:
+def check_environment(cfg: EpisodeConfig, rows: list[dict] = ()) -> EnvironmentCheck:
     """Raise ``EnvironmentSpecError`` (one line) unless ``rollout.episode.environment`` loads and one
     instance can be built from ``rollout.episode.args``: in a child process, within ``import_timeout_s``,
-    so a file that hangs or exits at import cannot take the caller with it (checked before a run starts)."""
+    so a file that hangs or exits at import cannot take the caller with it (checked before a run starts).
+    Returns its tools' schemas and ``reset(row)`` of each of ``rows`` (each within ``step_timeout_s``)."""
     if cfg.environment is None:
-        return
+        return EnvironmentCheck()
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_check_main, args=(child, cfg.environment, cfg.args), name="tandem-env-check")
     proc.start()
     child.close()
+    error, check = None, EnvironmentCheck()
     try:
         if not parent.poll(cfg.import_timeout_s):
             raise EnvironmentSpecError(
@@ -100,7 +125,12 @@ def check_environment(cfg: EpisodeConfig) -> None:
                 f"{cfg.import_timeout_s:g} s (rollout.episode.import_timeout_s); move slow work out of the file's "
                 "top level"
             )
-        error = parent.recv()
+        kind, value = parent.recv()
+        if kind == "failed":
+            error = value
+        else:
+            check.tools = value
+            _resets(parent, proc, rows, cfg.step_timeout_s, check.resets)
     except EOFError:
         proc.join(KILL_GRACE_S)
         error = (
@@ -112,6 +142,23 @@ def check_environment(cfg: EpisodeConfig) -> None:
         parent.close()
     if error:
         raise EnvironmentSpecError(error)
+    return check
+
+
+def _resets(conn, proc, rows: list[dict], timeout_s: float, out: list) -> None:
+    """``reset(row)`` of each row in the check's child, until one hangs past ``timeout_s`` or kills it."""
+    for row in rows:
+        try:
+            conn.send(row)
+            if not conn.poll(timeout_s):
+                out.append((None, f"reset() did not return within rollout.episode.step_timeout_s = {timeout_s:g} s"))
+                return
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            died = _exit_text(proc, KILL_GRACE_S) or "its pipe closed"
+            out.append((None, f"the environment's process died during reset() ({died})"))
+            return
+        out.append((value, None) if kind == "ok" else (None, value))
 
 
 def worker_main(conn, cfg: EpisodeConfig, parent_pid: int) -> None:

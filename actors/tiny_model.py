@@ -10,8 +10,9 @@ model id or path loads unchanged.
 The demo's tokenizer knows only the 64 characters its tasks use (a capital or a quote is lost).
 ``chat=True`` builds the same model with a tokenizer shaped like a real chat model's instead
 (``tandem tiny-model --chat``): one token per byte, so any text round-trips, Qwen's special tokens
-and a ChatML chat template, and ``<|im_end|>`` as EOS, so a completion ends where the template's
-assistant turn ends. Use it to try a real data set's prompts end to end on the CPU.
+and a ChatML chat template that renders tools in the hermes format (as Qwen2.5's does), and ``<|im_end|>``
+as EOS, so a completion ends where the template's assistant turn ends. Use it to try a real data set's
+prompts, or an environment's tools, end to end on the CPU.
 """
 
 from __future__ import annotations
@@ -35,10 +36,32 @@ TINY_CHAT_TEMPLATE = (
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # ChatML as Qwen2.5's template writes it, without its default system message (the tiny model's
 # context is short): every turn is "<|im_start|>role\ncontent<|im_end|>\n"; a generation prompt opens
-# the assistant's turn.
+# the assistant's turn. Tools are rendered in the hermes format Qwen2.5 uses (what actors/tool_calls.py
+# parses), compactly: one system turn (the system message's text, then the tools' JSON schemas inside
+# <tools></tools> and how to call one), a tool's result as a user turn inside <tool_response>, an assistant
+# turn's tool_calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>. Each tool result is its own
+# turn, so appending a message never rewrites the ones before it (what an episode needs).
 CHATML_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- 'Tools you may call:\\n<tools>' }}"
+    "{%- for tool in tools %}{%- set schema = tool.function if tool.function is defined else tool %}"
+    "{{- '\\n' + (schema | tojson) }}{%- endfor %}"
+    '{{- \'\\n</tools>\\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\\n\' }}'
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"  # rendered with the tools above
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls %}{%- set f = call.function if call.function is defined else call %}"
+    "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>{\"name\": ' + (f.name | tojson)"
+    " + ', \"arguments\": ' + (f.arguments if f.arguments is string else f.arguments | tojson) + '}</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -141,6 +164,8 @@ def build_tiny_model(
     )
     if chat:  # only then: a demo model built before ``chat`` existed is still reused
         spec["chat"] = True
+        if chat_template is None:  # a chat directory built before its template rendered tools is rebuilt
+            spec["tools"] = "hermes"
     marker = out / MARKER
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == spec:
         return out  # before the imports below: they cost seconds of every run's start-up

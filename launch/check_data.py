@@ -37,10 +37,12 @@ class Findings:
 
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    verdict: str | None = None  # an OK verdict that says what was not checked (episodes)
 
 
 def check_data(config: str | list | None, overrides: list[str], n: int = 3, say: Callable[[str], None] = print) -> int:
     """Run the check and print it; the exit code (0 ok, 1 problems, 2 nothing could be loaded)."""
+    from actors.env_pool import EnvironmentSpecError
     from actors.rewards import RewardSpecError
     from launch.build import StartupError
     from launch.config import ConfigError
@@ -49,7 +51,7 @@ def check_data(config: str | list | None, overrides: list[str], n: int = 3, say:
 
     try:
         findings = _check(load_config(config, overrides), max(n, 0), say)
-    except (ConfigError, DatasetError, RewardSpecError, StartupError, PreflightError) as exc:
+    except (ConfigError, DatasetError, RewardSpecError, StartupError, PreflightError, EnvironmentSpecError) as exc:
         print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
         return 2
     say("")
@@ -60,11 +62,12 @@ def check_data(config: str | list | None, overrides: list[str], n: int = 3, say:
         say(f"verdict: {len(findings.problems)} problem(s); a run would fail or not learn:")
         say("\n".join(f"  - {p}" for p in findings.problems))
         return 1
-    say("verdict: OK: the rows load, fit the context, and their own answers earn the reward")
+    say(findings.verdict or "verdict: OK: the rows load, fit the context, and their own answers earn the reward")
     return 0
 
 
 def _check(cfg: TandemConfig, n: int, say: Callable[[str], None]) -> Findings:
+    from actors.env_pool import check_environment
     from actors.rewards import check_rewards
     from launch.build import prepare_model
     from launch.data import load_run_rows
@@ -74,6 +77,9 @@ def _check(cfg: TandemConfig, n: int, say: Callable[[str], None]) -> Findings:
     check_rewards(cfg.reward)  # a reward file that exits or hangs at import fails here, in a child process
     rows, held = load_run_rows(cfg, found.warnings.append)
     model_path = prepare_model(cfg.model)
+    shown, episodes, environment = rows[:n], None, None
+    if cfg.rollout.kind == "multi_turn":  # before anything is said: an environment that cannot load is exit 2
+        environment = check_environment(cfg.rollout.episode, shown)  # reset(row) of the rows shown, in a child
     say(
         f"data: {cfg.data.prompts}: {len(rows)} rows to train on, {len(held)} held out for evaluation (rows below "
         "are numbered among these, after unusable rows are dropped and the held-out rows set aside)"
@@ -98,17 +104,22 @@ def _check(cfg: TandemConfig, n: int, say: Callable[[str], None]) -> Findings:
         _check_answer_room(cfg, renderer, rows, found)
         if held:
             _check_lengths(cfg, renderer, held, "the held-out set", found, say)
+    if cfg.rollout.kind == "multi_turn":  # the sampler gets reset(row)'s messages and the tools, not the row
+        from launch.check_episodes import check_episodes
+
+        episodes = check_episodes(cfg, model_path, environment, len(shown), found, say)
+        found.verdict = episodes.verdict()
     gold = GoldCompletions(cfg, rows)
     say(f"reward: {' + '.join(_part_text(p) for p in cfg.reward.parts)}")
-    say(f"  {gold.how}")
-    shown = rows[:n]
+    if cfg.reward.function_parts:
+        say(f"  {gold.how}")
     scores = _score_rows(cfg, gold, shown, found)
     lossy = []
     for i, row in enumerate(shown):
         say("")
-        if lost := _show_row(i, row, renderer, cfg, say):
+        if lost := _show_row(i, row, None if episodes else renderer, cfg, say):
             lossy.append(f"row {i}: {lost}")
-        for line in scores[i]:
+        for line in (episodes.lines[i] if episodes else []) + scores[i]:
             say(f"  {line}")
     if lossy:
         found.warnings.append(
@@ -288,7 +299,8 @@ def _score_rows(cfg: TandemConfig, gold: GoldCompletions, shown: list[dict], fou
         )
     )
     if not cfg.reward.function_parts:
-        found.warnings.append(f"the reward is {where} alone, which runs in the actors: not scored here")
+        if any(p.is_model for p in elsewhere):  # the environment's alone: the reward line and verdict say so
+            found.warnings.append(f"the reward is {where} alone, which runs in the actors: not scored here")
         return lines
     if elsewhere:
         found.warnings.append(f"{where} part is not scored here (it runs in the actors): it counts 0")
@@ -330,6 +342,9 @@ def _score_rows(cfg: TandemConfig, gold: GoldCompletions, shown: list[dict], fou
 
 
 def _part_text(part) -> str:
+    if part.is_environment:
+        weight = f"{part.weight:g} x " if part.weight != 1 else ""
+        return f"{weight}the environment's (scored in episodes by the actors, not checked here)"
     chosen = getattr(part, "by_source", None)
     by = f" (by data_source: {', '.join(f'{k} -> {v}' for k, v in chosen.items())})" if chosen else ""
     return f"{part.weight:g} x {part.function}{by}"

@@ -45,7 +45,45 @@ def preflight(cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]]) ->
     note = renderer.fallback_note() if renderer is not None else None
     if note:
         print(f"tandem: {note}", file=sys.stderr, flush=True)
-    return check_prompt_lengths(cfg, model_path, rows, renderer=renderer)
+    rows = check_prompt_lengths(cfg, model_path, rows, renderer=renderer)
+    check_episode_tools(cfg, model_path)
+    return rows
+
+
+def load_episode_tokenizer(model_path: str, data: DataConfig) -> tuple[Any, str] | None:
+    """The tokenizer an episode is rendered with on the actors (``data.chat_template``'s file replacing its
+    template, as ``launch/build.py`` passes it) and that template in words; None offline (not cached)."""
+    from launch.build import episode_template
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
+    text = episode_template(data.chat_template)
+    if text is None:
+        return tokenizer, f"the chat template of the tokenizer of {model_path}"
+    tokenizer.chat_template = text
+    return tokenizer, f"the chat template {data.chat_template} (data.chat_template)"
+
+
+def check_episode_tools(cfg: TandemConfig, model_path: str) -> None:
+    """A multi-turn run whose environment offers tools needs a chat template that renders them: one that
+    ignores them (ChatML) trains a model to call tools it never sees. The tools come from the environment
+    class, loaded in a child process with its deadline (``actors/env_pool.py check_environment``)."""
+    if cfg.rollout.kind != "multi_turn":
+        return
+    from actors.env_pool import check_environment
+    from actors.episode_prompt import tools_problem
+
+    loaded = load_episode_tokenizer(model_path, cfg.data)
+    if loaded is None:
+        return
+    tokenizer, template = loaded
+    tools = check_environment(cfg.rollout.episode).tools
+    if problem := tools_problem(tokenizer, tools, cfg.rollout.episode.environment, template):
+        raise PreflightError(problem)
 
 
 def row_functions(reward: RewardConfig, row: dict[str, Any]) -> list[str]:

@@ -156,6 +156,28 @@ def test_an_environment_is_checked_before_the_run_in_a_child_process(tmp_path):
         check_environment(EpisodeConfig(environment=f"{tmp_path / 'broken.py'}:Env"))
 
 
+def test_the_startup_check_gives_the_tools_and_the_resets_of_the_rows_it_is_given(tmp_path):
+    from actors.env_pool import check_environment
+
+    row = lookup_rows(1, seed=4)[0]
+    check = check_environment(EpisodeConfig(environment="builtin:lookup"), [row])
+    assert check.tools == [tool_schema(LookupEnvironment.lookup)]
+    assert check.resets == [([{"role": "user", "content": row["prompt"]}], None)]
+    (tmp_path / "bad.py").write_text(BAD_ENV)  # TextReset's reset returns a string, not messages
+    check = check_environment(EpisodeConfig(environment=f"{tmp_path / 'bad.py'}:TextReset"), [{}, {}])
+    assert check.tools == [] and len(check.resets) == 2
+    assert check.resets[0] == (
+        None,
+        "TypeError: reset() must give a list of {'role': str, 'content': str} messages, not 'not messages'",
+    )
+    (tmp_path / "dies.py").write_text(
+        "import os\nfrom actors.environments import Environment\n\n"
+        "class Env(Environment):\n    def reset(self, row):\n        os._exit(3)\n"
+    )
+    check = check_environment(EpisodeConfig(environment=f"{tmp_path / 'dies.py'}:Env"), [{}, {}])
+    assert check.resets == [(None, "the environment's process died during reset() (exit code 3)")]  # no 2nd try
+
+
 # A template shaped like Qwen3's: the last assistant turn gets an empty <think> block unless it has one, so
 # appending a turn re-renders the one before it when that holds no reasoning.
 BAD_ENV = """
