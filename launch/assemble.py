@@ -120,7 +120,12 @@ async def assemble(
     stream = PromptStream(rows, cfg.run.seed, cfg.data.shuffle)
     ledger = PromptLedger.restore(stream, state["ledger"]) if resume else PromptLedger(stream)
     health = RunHealth(
-        cfg.learner.lr, cfg.reward.max_error_steps, cfg.run.max_nonfinite_steps, run.say, cfg.run.max_empty_steps
+        cfg.learner.lr,
+        cfg.reward.max_error_steps,
+        cfg.run.max_nonfinite_steps,
+        run.say,
+        cfg.run.max_empty_steps,
+        lora=cfg.learner.lora is not None,
     )
     health.restore(state.get("health", {}))
     P, k = cfg.rollout.prompts_per_step, cfg.run.max_staleness

@@ -362,4 +362,8 @@ async def _start_ranks(
     for name, info in zip(names, infos):
         run.process(name, info)
         process_names[info["actor_id"]] = name
+    if cfg.learner.lora is not None and "lora" in infos[0]:
+        from learner.lora import describe_lora
+
+        run.say(describe_lora(cfg.learner.lora, infos[0]["lora"]))
     return workers

@@ -237,6 +237,7 @@ class TandemConfig(Section):
     def warnings(self) -> list[str]:
         """Valid settings that are probably not what the user meant: printed before the run, one line each."""
         out = ([regrouped_warning(self._regrouped)] if self._regrouped else []) + self.algorithm.warnings
+        out += self.learner.lora.warnings if self.learner.lora else []
         res = self.resources
         engine_cores = res.actors.count * res.actors.tensor_parallel
         learner_cores = res.learner.ranks * res.learner.num_cpus

@@ -36,6 +36,17 @@ class LoraConfig(Section):
         0.0, ge=0, lt=1, description="Dropout on the adapters' input while training (the sampler has none: keep 0)."
     )
 
+    @property
+    def warnings(self) -> list[str]:
+        """Valid settings that are probably not what the user meant, one line each."""
+        if not self.dropout:
+            return []
+        return [
+            f"learner.lora.dropout = {self.dropout:g}: the sampler (vLLM) has no dropout, so the learner's log-probs "
+            "of its tokens differ from the sampler's by the dropout noise (importance weights and the mismatch "
+            "KL see it as staleness); set learner.lora.dropout=0"
+        ]
+
     @model_validator(mode="after")
     def _served_modules(self) -> LoraConfig:
         names = [self.target_modules] if isinstance(self.target_modules, str) else self.target_modules

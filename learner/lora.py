@@ -37,6 +37,28 @@ def with_lora(model, lora: LoraConfig):
     return get_peft_model(model, config)
 
 
+def lora_summary(model) -> dict[str, int]:
+    """What a LoRA policy trains and sends: ``trainable`` and ``total`` parameters, and ``adapter_bytes``, the
+    adapters' size as each publish carries them (their own dtype)."""
+    adapters = [p for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+    return {
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "total": sum(p.numel() for p in model.parameters()),
+        "adapter_bytes": sum(p.numel() * p.element_size() for p in adapters),
+    }
+
+
+def describe_lora(lora: LoraConfig, summary: dict[str, int]) -> str:
+    """The console's line for a LoRA run: what trains, what stays frozen, what each publish sends."""
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+    share = summary["trainable"] / max(summary["total"], 1)
+    return (
+        f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {targets}: {summary['trainable'] / 1e6:.2f}M trainable of "
+        f"{summary['total'] / 1e6:.2f}M parameters ({share:.2%}); the base, its output head and embeddings stay "
+        f"frozen; each publish sends {summary['adapter_bytes'] / 2**20:.2f} MB of adapters"
+    )
+
+
 def is_peft(module) -> bool:
     return hasattr(module, "peft_config")
 

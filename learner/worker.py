@@ -31,7 +31,7 @@ from learner import saving
 from learner.attention import Attention, flash_attn_importable, select_attention
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.critic import build_value_model
-from learner.lora import adapter_weights, is_peft, merge_lora, save_adapter, with_lora
+from learner.lora import adapter_weights, is_peft, lora_summary, merge_lora, save_adapter, with_lora
 from learner.offload import offload, reload
 from learner.rank import Layout, Models, RankStep, Sampled
 from learner.schedule import lr_factor
@@ -119,6 +119,7 @@ class LearnerWorker:
         self._listener = None  # rank 0: the socket its group store will serve on (rendezvous_address)
         self._published = False  # rank 0 has said what a published version holds
         self._offloaded: dict = {}  # role -> what learner/offload.py moved out (colocated, GPUs)
+        self.lora: dict[str, int] | None = None  # learner.lora: lora_summary of the policy
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port listening there only (kept for ``setup``, where rank 0 serves the
@@ -147,6 +148,7 @@ class LearnerWorker:
             "pid": os.getpid(),
             "node": context.get_node_id(),
             "actor_id": context.get_actor_id(),
+            **({"lora": self.lora} if self.lora else {}),
         }
 
     def build(self, spec: RankSpec, attention: Attention) -> None:
@@ -168,6 +170,7 @@ class LearnerWorker:
                 enable_gradient_checkpointing(model)
             if spec.learner.lora is not None:
                 model = with_lora(model, spec.learner.lora)  # the base frozen: only the adapters train
+                self.lora = lora_summary(model)  # what the console says of it (before ZeRO-3 partitions it)
             models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype, spec.total_updates)
         if "critic" in roles:
             critic = spec.algorithm.critic

@@ -37,6 +37,7 @@ from typing import Any
 from queues.messages import EPISODE_FAILURES
 
 UNIFORM_TOLERANCE = 1e-5  # relative: a random-init model starts near ln V, but not this near
+NEAR_UNIFORM = 0.9  # a first entropy above this share of ln V: an untrained model (a trained one is far below)
 
 
 class RunCannotLearn(RuntimeError):
@@ -51,8 +52,9 @@ class RunHealth:
         max_nonfinite_steps: int,
         say: Callable[[str], None],
         max_empty_steps: int = 5,
+        lora: bool = False,
     ):
-        self.lr, self.say = lr, say
+        self.lr, self.say, self.lora = lr, say, lora
         self.max_error_steps, self.max_nonfinite_steps = max_error_steps, max_nonfinite_steps
         self.max_empty_steps, self.empty_streak = max_empty_steps, 0
         self.said_failures: set[str] = set()  # episode failure texts said so far
@@ -119,6 +121,13 @@ class RunHealth:
         uniform = entropy >= top * (1 - UNIFORM_TOLERANCE)
         if self.started_uniform is None:
             self.started_uniform = uniform
+            if self.lora and entropy >= NEAR_UNIFORM * top:
+                self.say(
+                    f"warning: learner.lora on a policy that starts near uniform (entropy {entropy:.2f} of ln V = "
+                    f"{top:.2f}), as a random-init model does: its output head and embeddings stay frozen, and "
+                    "adapters on the linear layers alone may not express the task (docs/lora.md); warm-start the "
+                    "model with supervised steps first (as the examples do) or train it fully (no learner.lora)"
+                )
         self.uniform_streak = self.uniform_streak + 1 if uniform and not self.started_uniform else 0
         if self.uniform_streak == 1:
             self.say(f"step {step + 1}: the policy is uniform over its vocabulary (entropy {entropy:.4f} = ln V)")

@@ -233,3 +233,49 @@ def test_a_policy_that_became_uniform_stops_the_run_but_one_that_starts_near_uni
     from_start = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=2, say=said.append)
     for step in range(4):  # uniform from the first step (nothing was learned yet): not a divergence
         from_start.check(step, groups, {"entropy": top, "uniform_entropy": top})
+
+
+def test_lora_on_a_policy_that_starts_near_uniform_is_warned_once():
+    """A random-init model's first entropy is near ln V; its head and embeddings, frozen under LoRA, stay
+    random: the run says so at its first step (and only with LoRA, and only when near uniform)."""
+    import math
+
+    top, said = math.log(64), []
+    groups = [make_group(0, [1.0, 0.0])]
+    random_init = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=2, say=said.append, lora=True)
+    random_init.check(0, groups, {"entropy": 0.99 * top, "uniform_entropy": top})
+    random_init.check(1, groups, {"entropy": 0.99 * top, "uniform_entropy": top})
+    assert len(said) == 1 and said[0].startswith("warning: learner.lora on a policy that starts near uniform")
+    assert "entropy 4.12 of ln V = 4.16" in said[0] and "output head and embeddings stay frozen" in said[0]
+    warm = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=2, say=said.append, lora=True)
+    warm.check(0, groups, {"entropy": 0.3 * top, "uniform_entropy": top})  # a warm-started model
+    full = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=2, say=said.append)
+    full.check(0, groups, {"entropy": 0.99 * top, "uniform_entropy": top})  # no LoRA: the head trains
+    assert len(said) == 1
+
+
+def test_lora_says_what_trains_and_what_a_publish_sends(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from learner.config import LoraConfig
+    from learner.lora import describe_lora, lora_summary, with_lora
+
+    lora = LoraConfig(rank=8, alpha=16)
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    summary = lora_summary(model)
+    # the tiny Qwen2 (hidden 128, 2 layers, intermediate 256, 4 heads x 32, 2 KV heads): per layer r (in + out)
+    # for q 8(128+128), k 8(128+64), v 8(128+64), o 8(128+128), gate 8(128+256), up 8(128+256), down 8(256+128)
+    per_layer = 8 * (256 + 192 + 192 + 256 + 384 + 384 + 384)
+    assert summary["trainable"] == 2 * per_layer == 32768 and summary["adapter_bytes"] == 4 * 32768
+    line = describe_lora(lora, summary)
+    assert line.startswith("LoRA: rank 8, alpha 16 on all-linear: 0.03M trainable of ")
+    assert "output head and embeddings stay frozen; each publish sends 0.12 MB of adapters" in line
+
+
+def test_lora_dropout_is_warned_before_the_run():
+    from launch.config import load_config
+
+    base = ["model.path=m", "data.prompts=p", "reward.function=f"]
+    cfg = load_config(None, [*base, "learner.lora={rank: 8, dropout: 0.05}"])
+    assert any(w.startswith("learner.lora.dropout = 0.05: the sampler (vLLM) has no dropout") for w in cfg.warnings)
+    assert not any("dropout" in w for w in load_config(None, [*base, "learner.lora={rank: 8}"]).warnings)
