@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from actors.config import EpisodeConfig, RewardConfig, RolloutConfig
-from actors.environments import tool_schema
 from actors.env_pool import EpisodeEnded
+from actors.environments import tool_schema
 from actors.episode import MultiTurn, TurnRenderer
 from actors.lookup_task import TOOLS_CHAT_TEMPLATE, LookupEnvironment, lookup_rows, tool_call_text
 from actors.rollout import Completion
