@@ -109,9 +109,9 @@ class KLConfig(Section):
     )
     estimator: Literal[(*KL_ESTIMATORS, "exact")] = Field(  # type: ignore[valid-type]
         "k3",
-        description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l, abs = |l|; k1_plus, k3_plus: the value of "
-        "k1 or k3 with k2's unbiased gradient (for placement=loss); exact: the KL over the whole vocabulary from "
-        "both models' logits (placement=loss, the reference on the learner ranks; logged with k3).",
+        description="KL estimator: k1 = l, k2 = l^2/2, k3 = e^-l - 1 + l, abs = |l|; k1_plus, k3_plus, abs_plus: "
+        "the value of k1, k3 or abs with k2's unbiased gradient (for placement=loss); exact: the KL over the whole "
+        "vocabulary from both models' logits (placement=loss, the reference on the learner ranks; logged with k3).",
     )
     beta: float = Field(0.01, ge=0, description="KL coefficient (the starting value when adaptive).")
     adaptive: bool = Field(
@@ -251,7 +251,9 @@ class LossConfig(Section):
     """The policy loss and how often it is stepped on each batch."""
 
     aggregation: Literal[AGGREGATIONS] | None = Field(  # type: ignore[valid-type]
-        None, description="token_mean, seq_mean or fixed_length (empty: the method's own; Dr. GRPO: fixed_length)."
+        None,
+        description="token_mean, seq_mean, fixed_length, token_sum or seq_mean_token_sum (docs/offpolicy.md; empty: "
+        "the method's own; Dr. GRPO: fixed_length).",
     )
     clip_eps_low: float | None = Field(None, ge=0, description="Ratio clip below, 1 - eps_low (empty: method default).")
     clip_eps_high: float | None = Field(
@@ -407,7 +409,7 @@ class AlgorithmConfig(Section):
                 "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term does not involve the "
                 "reference (it is grad log pi of the sampled tokens): zero in expectation on-policy, and off-policy "
                 "it pushes the policy away from the sampler, never towards the reference; use estimator=k2 (its "
-                "gradient is that of the KL), or k1_plus / k3_plus (their value, k2's gradient)"
+                "gradient is that of the KL), or k1_plus / k3_plus / abs_plus (their value, k2's gradient)"
             )
         return out
 

@@ -181,3 +181,16 @@ def test_a_run_saved_with_the_flat_algorithm_section_resumes_without_a_config_ch
     then["algorithm"], moved = regroup(flat)
     assert moved == ["epochs", "gamma"]
     assert config_changes(then, now.model_dump(mode="json")) == []
+
+
+def test_the_descriptions_of_choices_name_every_choice():
+    """A user reads the choices in the description (docs/configuration.md): a mode added to a registry and
+    not to its description is a mode nobody finds."""
+    from learner.algorithms import AGGREGATIONS
+    from learner.algorithms.kl import KL_ESTIMATORS
+    from learner.config import KLConfig, LossConfig
+
+    aggregation = LossConfig.model_fields["aggregation"].description
+    assert [m for m in AGGREGATIONS if m not in aggregation] == []
+    estimator = KLConfig.model_fields["estimator"].description
+    assert [k for k in (*KL_ESTIMATORS, "exact") if k not in estimator] == []

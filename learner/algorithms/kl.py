@@ -15,7 +15,8 @@ k1's gradient ``grad log pi`` has expectation 0, and k3's, ``(1 - exp(-l)) grad 
 gradient of KL(pi_ref || pi), the other direction. The straight-through forms keep the value of k1
 or k3 (what is logged and added) and take the gradient of k2:
 
-* ``k1_plus = k1 + k2 - stop_grad(k2)``,  ``k3_plus = k3 + k2 - stop_grad(k2)``   (value: k1, k3)
+* ``k1_plus = k1 + k2 - stop_grad(k2)``,  ``k3_plus = k3 + k2 - stop_grad(k2)``,
+  ``abs_plus = |l| + k2 - stop_grad(k2)``   (value: k1, k3, |l|)
 
 "Unbiased" holds for tokens sampled from the current pi: with a stale sampler, several epochs or
 minibatches, the samples come from another policy (the KL term is not importance-weighted).
@@ -82,6 +83,11 @@ def kl_k3_plus(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = Non
     return _with_k2_gradient(kl_k3(logprobs, ref_logprobs, mask), logprobs, ref_logprobs, mask)
 
 
+def kl_abs_plus(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``|l| + k2 - stop_grad(k2)``: |l|'s value, k2's (unbiased) gradient. ``[B, T] -> [B, T]``."""
+    return _with_k2_gradient(kl_abs(logprobs, ref_logprobs, mask), logprobs, ref_logprobs, mask)
+
+
 def exact_kl(logits: Tensor, ref_logits: Tensor, mask: Tensor | None = None, chunk: int = 1024) -> Tensor:
     """KL(pi || pi_ref) over the whole vocabulary at each position: ``[N, V], [N, V] -> [N]``
     (or ``[B, T, V] -> [B, T]``), ``sum_v softmax(z)_v (log_softmax(z)_v - log_softmax(z_ref)_v)``,
@@ -110,6 +116,7 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
     "abs": kl_abs,
     "k1_plus": kl_k1_plus,
     "k3_plus": kl_k3_plus,
+    "abs_plus": kl_abs_plus,
 }
 
 
