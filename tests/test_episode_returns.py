@@ -103,6 +103,8 @@ def test_environment_tokens_change_no_loss_no_gradient_and_no_tis_weight(method,
 
     with_env, grad_with, metrics = loss_of(torch.ones_like(model))
     without, grad_without, _ = loss_of(model)
+    # rows 7 wide vs 4: the same <= 8 model-token terms summed in another order, within 7 eps = 8.3e-7 of
+    # their magnitudes' sum (O(1) here, and allclose adds 1e-5 |without|); measured 2.4e-7 in every matrix row
     assert torch.allclose(with_env, without, atol=1e-6), (with_env, without)
     assert torch.allclose(grad_with.view(2, 7)[model], grad_without, atol=1e-6)
     assert float(grad_with.view(2, 7)[~model].abs().max()) == 0.0

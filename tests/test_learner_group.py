@@ -17,8 +17,22 @@ from learner.critic import build_value_model
 from learner.group import MIN_IS_MEAN, LearnerGroup
 from learner.rank import Layout, Models, RankStep
 from tests.fakes import LocalActor, PlainEngine, make_group
+from tests.tolerance import PACKED_LOGPROB_ATOL, reduction_rtol
 
 BASE = ["model.path=x", "data.prompts=x", "reward.function=x", "rollout.max_tokens=12", "learner.lr=0.05"]
+EPS32 = torch.finfo(torch.float32).eps
+# An importance weight w_t = exp(lp_t - sampler lp_t) whose float32 log-prob came out of another layout (rows
+# packed otherwise, one rank or two) moves by |d lp_t| <= PACKED_LOGPROB_ATOL relative, plus an ulp for the
+# subtraction (every fake sampler log-prob is -0.5 and |lp_t + 0.5| < 5: 5 eps) and one for exp (eps).
+WEIGHT_RTOL = PACKED_LOGPROB_ATOL + 6 * EPS32
+
+
+def loss_atol(sum_abs_terms: float, tokens: int, term_rtol: float) -> float:
+    """|d loss| between two float32 losses sum_t l_t over ``tokens`` terms, each term moved by at most
+    ``term_rtol`` (relative) and the sum taken in another order (tests/tolerance.py):
+    sum_t |l_t| * (term_rtol + (tokens - 1) eps). ``sum_abs_terms``: sum_t |l_t|, the loss with -|A| in place
+    of A, measured for the test's seeded batch and rounded up; the loss itself cancels, so it is far smaller."""
+    return sum_abs_terms * (term_rtol + reduction_rtol(torch.float32, tokens))
 
 
 def batches(seed: int = 0, prompts: int = 4, samples: int = 4) -> list:
@@ -77,8 +91,14 @@ def test_two_ranks_split_the_batch_like_one_rank(tiny_model_dir):
     one = step(fake_group(tiny_model_dir, "learner.token_budget=40"), b)
     two = step(fake_group(tiny_model_dir, "learner.token_budget=40", ranks=2), b)
     assert one["tokens"] == two["tokens"] == sum(len(t.completion_token_ids) for g in b for t in g.trajectories)
-    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
-    assert two["advantage_abs_mean"] == pytest.approx(one["advantage_abs_mean"], abs=1e-6)
+    # At the first update the ratio is exactly 1, so l_t = -A_t w_t / N: w_t from log-probs in other rows,
+    # A_t within an ulp, N = 96 terms in another order; sum_t |l_t| = 0.023 (measured):
+    #   atol = 0.03 * (1.07e-5 + 1.2e-7 + 95 * 1.19e-7) = 6.6e-7  (measured: 1e-10 to 4e-10)
+    tokens = int(one["tokens"])
+    assert two["loss"] == pytest.approx(one["loss"], abs=loss_atol(0.03, tokens, WEIGHT_RTOL + EPS32))
+    # mean_t |A_t| over 96 float32 terms (an ulp each), summed per rank: rel = 95 eps + eps = 1.1e-5
+    rel = reduction_rtol(torch.float32, tokens) + EPS32
+    assert two["advantage_abs_mean"] == pytest.approx(one["advantage_abs_mean"], rel=rel)  # measured: 4.5e-8
     assert one["advantage_abs_mean"] > 0.1  # GRPO advantages of random rewards: a real signal
 
 
@@ -271,10 +291,23 @@ def test_batch_normalised_importance_weights_have_one_global_mean_on_any_number_
     one = step(fake_group(tiny_model_dir, *common, "algorithm.tis.normalize=true"), b)
     two = step(fake_group(tiny_model_dir, *common, "algorithm.tis.normalize=true", ranks=2), b)
     assert 0.0 < one["tis_batch_mean"] < 1.0  # the fake sampler disagrees, and truncation at 1.05 cuts more
-    assert two["tis_batch_mean"] == pytest.approx(one["tis_batch_mean"], rel=1e-9)
+    # The batch mean is sum_t w_t / N over the step's N = 92 trained tokens, summed in float64, with
+    # w_t = exp(lp_t + 0.5) ~ 0.025 (none reaches the cap). One rank and two pack the rows differently, so
+    # each w_t moves by WEIGHT_RTOL (relative), and a mean of positive terms moves by at most its terms'
+    # largest relative change; add the float64 sum of N terms in another order, (N - 1) eps64:
+    #   rel = 1e-5 + 6 * 1.19e-7 + 91 * 2.2e-16 = 1.07e-5  (measured: 0 to 6.5e-9 over the matrix rows).
+    # A wrong normaliser is far outside it: one rank's mean over its 46 tokens is 3.9e-3 from the batch's.
+    tokens = int(one["tokens"])
+    rel = WEIGHT_RTOL + reduction_rtol(torch.float64, tokens)
+    assert two["tis_batch_mean"] == pytest.approx(one["tis_batch_mean"], rel=rel)
     divided = max(one["tis_batch_mean"], MIN_IS_MEAN)  # one minibatch: its mean is the batch's (floored)
-    assert one["loss"] == pytest.approx(plain["loss"] / divided, rel=1e-5)
-    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    # l_t = -A_t w_t / (divided N): sum_t |l_t| = 0.22 (measured), 77x the loss (0.0029). The same rows in the
+    # same order, each term once divided by 0.1 (an ulp): atol = 0.3 * (1.2e-7 + 91 eps) = 3.3e-6 (measured:
+    # 5e-9); dividing by the unfloored mean would be 4x off
+    assert one["loss"] == pytest.approx(plain["loss"] / divided, abs=loss_atol(0.3, tokens, EPS32))
+    # other rows on two ranks: each w_t moves by WEIGHT_RTOL; the divisor is the floor on both:
+    #   atol = 0.3 * (1.07e-5 + 91 eps) = 6.5e-6  (measured: 2e-9 to 7e-9)
+    assert two["loss"] == pytest.approx(one["loss"], abs=loss_atol(0.3, tokens, WEIGHT_RTOL))
 
 
 def test_rejection_rules_drop_tokens_from_the_loss_and_say_how_many(tiny_model_dir):
@@ -296,6 +329,10 @@ def test_the_exact_kl_loss_term_starts_at_zero_and_splits_over_ranks(tiny_model_
     one = step(fake_group(tiny_model_dir, "learner.token_budget=40", *exact), b)
     two = step(fake_group(tiny_model_dir, "learner.token_budget=40", *exact, ranks=2), b)
     assert one["kl_ref"] == pytest.approx(0.0, abs=1e-6)
-    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    # the KL term is exactly 0 on both (each rank's reference sees the policy's rows); the policy term as in
+    # test_two_ranks_split_the_batch_like_one_rank, sum_t |l_t| = 0.024 (measured) over 60 tokens:
+    #   atol = 0.03 * (1.07e-5 + 1.2e-7 + 59 * 1.19e-7) = 5.4e-7  (measured: 1e-10 to 6e-10)
+    two_loss_atol = loss_atol(0.03, int(one["tokens"]), WEIGHT_RTOL + EPS32)
+    assert two["loss"] == pytest.approx(one["loss"], abs=two_loss_atol)
     moved = fake_group(tiny_model_dir, *exact, "algorithm.loss.epochs=2")
     assert step(moved, b)["kl_ref"] > 1e-6  # the second epoch's policy differs from the reference

@@ -18,6 +18,7 @@ from runtime.collector import BatchCollector
 from runtime.step_metrics import step_metrics
 from tests.fakes import RecordingAdmission, make_group, make_sequence, make_trajectory
 from tests.reference_batch import completion_logprobs, pad_sequences
+from tests.tolerance import PACKED_LOGPROB_ATOL
 
 
 def test_queue_backpressure_and_deadlines():
@@ -210,7 +211,7 @@ def test_padded_logprobs_equal_each_sequence_alone(tiny_model_dir):
             p = len(s.prompt_token_ids)
             alone = torch.stack([logp[p - 1 + t, tok] for t, tok in enumerate(s.completion_token_ids)])
             c = len(s.completion_token_ids)
-            torch.testing.assert_close(padded[i, :c], alone, atol=1e-5, rtol=0)
+            torch.testing.assert_close(padded[i, :c], alone, atol=PACKED_LOGPROB_ATOL, rtol=0)
             assert torch.all(padded[i, c:] == 0) and torch.all(batch.completion_mask[i, c:] == 0)
 
 
