@@ -36,6 +36,8 @@ from learner.rank_batch import RankBatch
 from learner.returns import token_rewards
 from learner.shard import Exports, RankAdvantages, RankShard, RankSummary
 
+EXTREMES = ("_max", "_min")  # metrics that are a step's extreme, not its token-weighted mean
+
 
 def _parameters(model) -> list:
     return list(getattr(model, "module", model).parameters())
@@ -254,6 +256,7 @@ class RankStep:
         get_lr = getattr(policy, "get_lr", None)
         lr = float(get_lr()[0]) if callable(get_lr) else None  # the rate of this step's first update
         tokens, skipped, updates = 0, 0, 0
+        extremes: dict[str, float] = {}  # *_max / *_min metrics: the largest / smallest of any micro-batch
         for model in self._trainable():
             model.train()
         for _ in range(batch.epochs):
@@ -283,7 +286,12 @@ class RankStep:
                         metrics.update(self._critic_backward(micro, view, normaliser))
                         finite = finite and math.isfinite(metrics["value_loss_share"])
                     for key, value in metrics.items():  # token-weighted, summed across micro-batches
-                        totals[key] = totals.get(key, 0.0) + float(value) * n
+                        if key.endswith(EXTREMES):  # the step's extreme over its micro-batches with tokens
+                            if n > 0:
+                                pick = max if key.endswith("_max") else min
+                                extremes[key] = pick(extremes.get(key, float(value)), float(value))
+                        else:
+                            totals[key] = totals.get(key, 0.0) + float(value) * n
                 updates += 1
                 if self._all_finite(finite):
                     for model in self._trainable():
@@ -292,7 +300,7 @@ class RankStep:
                     skipped += 1
                     for model in self._trainable():
                         discard_gradients(model)
-        out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()}
+        out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()} | extremes
         out["tokens"] = tokens / batch.epochs
         out["nonfinite_updates"] = float(skipped)
         out["updates"] = float(updates)

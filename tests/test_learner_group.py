@@ -336,3 +336,18 @@ def test_the_exact_kl_loss_term_starts_at_zero_and_splits_over_ranks(tiny_model_
     assert two["loss"] == pytest.approx(one["loss"], abs=two_loss_atol)
     moved = fake_group(tiny_model_dir, *exact, "algorithm.loss.epochs=2")
     assert step(moved, b)["kl_ref"] > 1e-6  # the second epoch's policy differs from the reference
+
+
+def test_a_steps_max_and_min_metrics_are_its_extremes_over_micro_batches_and_ranks(tiny_model_dir):
+    """tis_rho_max is the largest ratio the step saw, on one rank or two: not a token-weighted mean of each
+    micro-batch's largest (which read 0.0381 on one rank and 0.0402 on two for the same batch)."""
+    b, common = batches(seed=1), ["learner.token_budget=40", "algorithm.tis.cap=1.05"]
+    one = step(fake_group(tiny_model_dir, *common), b)
+    two = step(fake_group(tiny_model_dir, *common, ranks=2), b)
+    small = step(fake_group(tiny_model_dir, "learner.token_budget=12", "algorithm.tis.cap=1.05"), b)
+    for key in ("tis_rho_max", "ratio_max", "ratio_min"):
+        # the same tokens' ratios in other layouts: equal up to the weights' float32 change
+        assert two[key] == pytest.approx(one[key], rel=WEIGHT_RTOL) and small[key] == pytest.approx(
+            one[key], rel=WEIGHT_RTOL
+        )
+    assert one["tis_rho_max"] >= one["tis_rho_mean"]
