@@ -62,17 +62,18 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     tokens = sum(m["tokens"] for m in per_rank)
     merged = {"loss": sum(m["loss"] for m in per_rank), "tokens": tokens}
     merged["learner_seconds"] = max(m["seconds"] for m in per_rank)
-    for key in per_rank[0]:
+    for key in dict.fromkeys(k for m in per_rank for k in m):  # a rank with no tokens has no extremes
         if key in merged or key == "seconds":
             continue
+        having = [m for m in per_rank if key in m]
         if key in ("grad_norm", "nonfinite_updates", "updates"):
-            merged[key] = per_rank[0][key]  # already global: every rank agreed on them
+            merged[key] = having[0][key]  # already global: every rank agreed on them
         elif key.endswith("_max"):
-            merged[key] = max(m[key] for m in per_rank)
+            merged[key] = max(m[key] for m in having)
         elif key.endswith("_min"):
-            merged[key] = min(m[key] for m in per_rank)
+            merged[key] = min(m[key] for m in having)
         else:
-            merged[key] = sum(m[key] * m["tokens"] for m in per_rank) / max(tokens, 1)
+            merged[key] = sum(m[key] * m["tokens"] for m in having) / max(tokens, 1)
     return merged
 
 
