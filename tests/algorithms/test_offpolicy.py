@@ -9,7 +9,7 @@ import torch
 
 from learner.algorithms.aggregation import token_weights
 from learner.algorithms.importance import tis_weights, weight_sums
-from learner.algorithms.kl import exact_kl, kl_abs, kl_k1, kl_k1_plus, kl_k2, kl_k3, kl_k3_plus
+from learner.algorithms.kl import exact_kl, kl_abs, kl_abs_plus, kl_k1, kl_k1_plus, kl_k2, kl_k3, kl_k3_plus
 from learner.algorithms.rejection import RejectRule, rejection_mask, token_divergences
 
 D = torch.float64
@@ -126,11 +126,14 @@ def test_k_plus_has_the_value_of_k1_or_k3_and_the_gradient_of_k2():
     logprobs, ref = _t([[-0.2, -1.5, -3.0]]), _t([[-0.9, -1.0, -2.0]])
     _, g2 = _grad(kl_k2, logprobs, ref)
     assert torch.allclose(g2, _t([[0.7, -0.5, -1.0]]))  # d(l^2/2)/dlog pi = l
-    for plain, plus in ((kl_k1, kl_k1_plus), (kl_k3, kl_k3_plus)):
+    for plain, plus in ((kl_k1, kl_k1_plus), (kl_k3, kl_k3_plus), (kl_abs, kl_abs_plus)):
         value, grad = _grad(plus, logprobs, ref)
         assert torch.allclose(value, plain(logprobs, ref, torch.ones_like(ref)))
         assert torch.allclose(grad, g2)
     assert kl_abs(logprobs, ref)[0].tolist() == pytest.approx([0.7, 0.5, 1.0])
+    # abs_plus: |l| = [0.7, 0.5, 1.0] as its value, and l = [0.7, -0.5, -1.0] as its gradient (|l|'s own is sign(l))
+    value, grad = _grad(kl_abs_plus, logprobs, ref)
+    assert value[0].tolist() == pytest.approx([0.7, 0.5, 1.0]) and grad[0].tolist() == pytest.approx([0.7, -0.5, -1.0])
 
 
 def test_k2_gradient_is_the_exact_kl_gradient_in_expectation():
