@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         "example", help="run a built-in example end to end (math: SFT warm-start, GRPO, eval; tools: multi-turn)"
     )
     exm.add_argument("name", choices=["math", "tools"])
-    exm.add_argument("--sft-steps", type=int, help="supervised warm-start steps (default: math 600, tools 800)")
+    exm.add_argument(
+        "--sft-steps",
+        type=int,
+        help="supervised warm-start steps (default: math 600; tools: the most it may take to converge, 4000)",
+    )
     exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
     tr.add_argument(
@@ -274,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "example":
             if args.name == "tools":
-                from launch.tools.example_tools import run_tools_example
+                from launch.tools.example_tools import TOOLS_SFT_MAX_STEPS, run_tools_example
 
-                return run_tools_example(args.overrides, args.sft_steps or 800)
+                return run_tools_example(args.overrides, args.sft_steps or TOOLS_SFT_MAX_STEPS)
             from launch.tools.example import run_math_example
 
             return run_math_example(args.overrides, args.sft_steps or 600)

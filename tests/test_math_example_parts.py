@@ -50,3 +50,25 @@ def test_warm_start_lowers_the_loss_and_saves_a_model(tmp_path):
     result = warm_start(model, tmp_path / "sft", pairs, steps=30, batch_size=8)
     assert result.steps == 30 and result.last_loss < result.first_loss - 1.0
     AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+
+
+def test_a_warm_start_to_a_target_runs_until_it_converges_and_fails_in_one_line_when_it_cannot(tmp_path):
+    """With ``target_loss`` the step count is a limit: the rate stays up until the mean loss of the last
+    50 steps is below the target, then decays over a settling tenth (at least 50 steps); a limit reached
+    first raises with where the loss stopped. Progress is said every ``every`` steps."""
+    import pytest
+
+    from learner.sft import WarmStartFailed, warm_start
+
+    model = build_tiny_model(tmp_path / "m")
+    tok = build_tokenizer()
+    pairs = [(tok("copy 7:")["input_ids"], tok("7")["input_ids"])] * 4  # one pair: learnt in a few dozen steps
+    said = []
+    result = warm_start(model, tmp_path / "sft", pairs, steps=500, batch_size=4, target_loss=0.05, every=25,
+                        progress=lambda step, loss: said.append((step, loss)))  # fmt: skip
+    assert result.converged_at is not None and result.steps == result.converged_at + 50  # settled 50 more
+    assert result.steps < 500 and said[0][0] == 25 and said[-1][1] < 0.05
+    assert (tmp_path / "sft" / "config.json").is_file()
+    with pytest.raises(WarmStartFailed, match=r"did not converge: mean loss \d\.\d{3} after 60 steps, target 1e-09"):
+        warm_start(model, tmp_path / "never", pairs, steps=60, batch_size=4, target_loss=1e-9)
+    assert not (tmp_path / "never").exists()  # nothing half-trained is saved
