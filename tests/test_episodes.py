@@ -227,21 +227,25 @@ def test_a_template_that_adds_empty_reasoning_to_the_last_turn_still_appends_tur
         TurnRenderer(tok, []).delta([tok.eos_token_id], [{"role": "tool", "content": "42"}])
 
 
-def test_an_episode_the_environment_failed_trains_no_token_but_stays_in_its_group(tmp_path, tokenizer, capfd):
+def _bad_episode(tmp_path, tokenizer, environment: str, system_prompt: str | None = None):
+    """One episode of prompt 1 against ``environment``, a class of ``BAD_ENV``, the model saying "hello"."""
     (tmp_path / "bad.py").write_text(BAD_ENV)
     rollout = RolloutConfig(
         kind="multi_turn",
         group_size=2,
         max_tokens=200,
-        episode={"environment": f"{tmp_path / 'bad.py'}:Raising", "workers": 1},
+        episode={"environment": f"{tmp_path / 'bad.py'}:{environment}", "workers": 1},
     )
-    fn = MultiTurn(_Spec(rollout, system_prompt="be brief"))
+    fn = MultiTurn(_Spec(rollout, system_prompt=system_prompt))
     fn.start(tokenizer)
-    engine = ScriptedEngine(tokenizer, ["hello"])
     try:
-        sample = asyncio.run(fn.episode(PromptRequest(1, {"prompt": "p"}, 3), engine, 0))
+        return asyncio.run(fn.episode(PromptRequest(1, {"prompt": "p"}, 3), ScriptedEngine(tokenizer, ["hello"]), 0))
     finally:
         fn.close()
+
+
+def test_an_episode_the_environment_failed_trains_no_token_but_stays_in_its_group(tmp_path, tokenizer, capfd):
+    sample = _bad_episode(tmp_path, tokenizer, "Raising", system_prompt="be brief")
     assert sample.episode["end"] == "error" and "the sandbox is gone" in sample.episode["detail"]
     assert sample.mask == [0] * len(sample.token_ids) and sample.model_mask == [1] * len(sample.token_ids)
     assert tokenizer.decode(sample.prompt_token_ids).startswith("<|im_start|>system\nbe brief")  # data.system_prompt
@@ -294,19 +298,7 @@ def test_an_episode_whose_reset_failed_keeps_its_reward_in_its_groups_baseline(t
     from learner.shard import Normaliser, RankShard, TokenShard
     from queues.messages import Trajectory
 
-    (tmp_path / "bad.py").write_text(BAD_ENV)
-    rollout = RolloutConfig(
-        kind="multi_turn",
-        group_size=3,
-        max_tokens=200,
-        episode={"environment": f"{tmp_path / 'bad.py'}:TextReset", "workers": 1},
-    )
-    fn = MultiTurn(_Spec(rollout))
-    fn.start(tokenizer)
-    try:
-        failed = asyncio.run(fn.episode(PromptRequest(1, {"prompt": "p"}, 3), ScriptedEngine(tokenizer, ["x"]), 0))
-    finally:
-        fn.close()
+    failed = _bad_episode(tmp_path, tokenizer, "TextReset")
     assert failed.episode["end"] == "error" and failed.mask == [0] and failed.model_mask == [1]
 
     def trajectory(mask, model_mask, reward):
