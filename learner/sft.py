@@ -12,9 +12,9 @@ and writes the result as a Hugging Face directory (config, weights, tokenizer).
 
 Two schedules. A fixed number of ``steps`` (warm-up 20 steps, then a linear decay to 0.1 of ``lr``).
 Or, with ``target_loss``, until it converges: a skill such as copying a key out of the prompt is learnt
-in a sharp turn whose step depends on the seed and on the machine's float rounding (the tools example's
-turned between 600 and 1,100 steps with 1 or 2 threads), so a fixed count that sits near the turn
-learns on one machine and not on another. The rate then stays at ``lr`` until the mean loss of the
+in a sharp turn whose step depends on the seed and on the machine's float kernels (the tools example's
+old 800 steps ended past the turn here and before it on another machine), so a fixed count that sits
+near the turn learns on one machine and not on another. The rate then stays at ``lr`` until the mean loss of the
 last ``WINDOW`` steps is below ``target_loss``, decays over a settling tenth of the steps taken, and
 ``steps`` is only the limit: a run that does not converge within it raises ``WarmStartFailed``.
 """

@@ -28,9 +28,11 @@ HELD_OUT_SEED = 3000  # rows of the warm-start's own held-out check
 SFT_MARKER = "warm-start.json"
 SLOPPY = 0.5  # the share of demonstrations whose final answer is the key itself, not the tool's code
 # The warm-start's loss sits at ~0.16 (every copied digit a guess) until the model learns to copy the key
-# into its call and the code (or the key) into its answer; then it falls below 0.01 within a few hundred steps. At lr
-# 3e-3 the turn came between 600 and 1,100 steps or not within 1,500 (seeds 0-3, 1 or 2 threads; the
-# loss spiked); at 1e-3 it comes by step 200-400. Converged means far below the plateau.
+# into its call and the code (or the key) into its answer; then it falls below 0.01 within a few hundred
+# steps. Where the turn comes depends on the seed and on the CPU's float kernels: the old fixed 800 steps
+# at lr 3e-3 ended at loss 0.0115 here, 0.0173 with torch's non-vectorised kernels (ATEN_CPU_CAPABILITY=
+# default) and 0.118 (no turn yet) on another machine; at a constant 3e-3 seed 1 had not turned in 1,500
+# steps (its loss spiked). At 1e-3, to a target, seeds 0-3 converged at steps 636-807 (bench/README.md).
 TOOLS_SFT_LR = 1e-3
 TOOLS_SFT_TARGET = 0.02
 TOOLS_SFT_MAX_STEPS = 3000
