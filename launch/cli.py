@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     exm.add_argument(
         "--sft-steps",
         type=int,
-        help="supervised warm-start steps (default: math 600; tools: the most it may take to converge, 4000)",
+        help="the most supervised warm-start steps it may take to converge (default 3000)",
     )
     exm.add_argument("overrides", nargs="*", help="config overrides for the RL run, key=value")
     tr = sub.add_parser("train", help="train with a YAML config")
@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                 from launch.tools.example_tools import TOOLS_SFT_MAX_STEPS, run_tools_example
 
                 return run_tools_example(args.overrides, args.sft_steps or TOOLS_SFT_MAX_STEPS)
-            from launch.tools.example import run_math_example
+            from launch.tools.example import MATH_SFT_MAX_STEPS, run_math_example
 
-            return run_math_example(args.overrides, args.sft_steps or 600)
+            return run_math_example(args.overrides, args.sft_steps or MATH_SFT_MAX_STEPS)
         if args.command == "eval":
             from launch.tools.evaluate import run_evaluation
 

@@ -17,14 +17,15 @@ from launch.tools.example import MATH_CONFIG, prepare_math_model
 
 pytestmark = pytest.mark.slow
 
-SFT_STEPS = 600
 # The eval pass@1 of the five rounds (steps 0, 20, ..., 80), fitted by a least-squares line: its rise
 # over the run must reach this. One round is 256 samples (sd of pass@1 about 0.023 at 0.83); the
 # fitted rise over 80 steps has sd about 1.26 x that of one round's noise and uses every round.
-# Fitted rises measured: 0.042, 0.036 (lr 1e-4), 0.027 (CI); the older test (mean of the last two
-# rounds minus mean of the first two, >= 0.02) gave 0.028, 0.029, 0.0195 on the same runs and
-# failed one CI run in three. A run that does not learn fits about 0 +- 0.013.
-MARGIN = 0.01
+# A run that does not learn fits about 0 +- 0.013. From the old fixed 600-step warm-start (on the sums'
+# turn) the rises were 0.042, 0.036 and 0.027, against a margin of 0.01. From the warm-start to a target on
+# partly careless solutions (launch/tools/example.py) they are 0.162 (pass@1 0.785 -> 0.953) and, with
+# torch's non-vectorised kernels (ATEN_CPU_CAPABILITY=default), 0.253 (0.715 -> 0.969) on 2026-12-07:
+# half the smaller one is 6 sd of a run that does not learn.
+MARGIN = 0.08
 
 
 def fitted_rise(steps: list[int], values: list[float]) -> float:
@@ -42,7 +43,7 @@ def test_fitted_rise_is_the_slope_over_the_span():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return prepare_math_model(tmp_path_factory.mktemp("models"), SFT_STEPS)
+    return prepare_math_model(tmp_path_factory.mktemp("models"))
 
 
 SAMPLER_CHECK = """
