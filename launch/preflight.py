@@ -34,10 +34,13 @@ class PreflightError(ValueError):
     """The model, the rows or the output directory cannot work with this config; one line with the fix."""
 
 
-def preflight(cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Check the output directory, the context length, the rows' answers and every prompt's length; return
-    the rows to train on (all of them, or those that fit when ``data.skip_long_prompts``). Raise
-    ``PreflightError`` otherwise. ``data.chat_template=auto`` falling back to raw text is said in one line."""
+def preflight(
+    cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]], tools: list[dict] | None = None
+) -> list[dict[str, Any]]:
+    """Check the output directory, the context length, the rows' answers, every prompt's length and that an
+    episode's tools reach the model; return the rows to train on (all of them, or those that fit when
+    ``data.skip_long_prompts``). Raise ``PreflightError`` otherwise. ``data.chat_template=auto`` falling
+    back to raw text is said in one line. ``tools``: the environment's, when its start-up check ran already."""
     check_output_dir(cfg.run.output_dir)
     check_context_length(cfg.engine.max_model_len, model_path)
     check_answers(cfg.reward, cfg.data, rows)
@@ -46,7 +49,7 @@ def preflight(cfg: TandemConfig, model_path: str, rows: list[dict[str, Any]]) ->
     if note:
         print(f"tandem: {note}", file=sys.stderr, flush=True)
     rows = check_prompt_lengths(cfg, model_path, rows, renderer=renderer)
-    check_episode_tools(cfg, model_path)
+    check_episode_tools(cfg, model_path, tools)
     return rows
 
 
@@ -68,7 +71,7 @@ def load_episode_tokenizer(model_path: str, data: DataConfig) -> tuple[Any, str]
     return tokenizer, f"the chat template {data.chat_template} (data.chat_template)"
 
 
-def check_episode_tools(cfg: TandemConfig, model_path: str) -> None:
+def check_episode_tools(cfg: TandemConfig, model_path: str, tools: list[dict] | None = None) -> None:
     """A multi-turn run whose environment offers tools needs a chat template that renders them: one that
     ignores them (ChatML) trains a model to call tools it never sees. The tools come from the environment
     class, loaded in a child process with its deadline (``actors/env_pool.py check_environment``)."""
@@ -81,7 +84,8 @@ def check_episode_tools(cfg: TandemConfig, model_path: str) -> None:
     if loaded is None:
         return
     tokenizer, template = loaded
-    tools = check_environment(cfg.rollout.episode).tools
+    if tools is None:
+        tools = check_environment(cfg.rollout.episode).tools
     if problem := tools_problem(tokenizer, tools, cfg.rollout.episode.environment, template):
         raise PreflightError(problem)
 

@@ -201,11 +201,12 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     for line in cfg.warnings:
         tell(f"warning: {line}")
     check_rewards(cfg.reward)
-    if cfg.rollout.kind == "multi_turn":
-        check_environment(cfg.rollout.episode)  # a file that is missing, broken, hangs or exits at import
+    tools = None
+    if cfg.rollout.kind == "multi_turn":  # a file that is missing, broken, hangs or exits at import
+        tools = check_environment(cfg.rollout.episode).tools
     rows, eval_rows = load_run_rows(cfg, tell)
     model_path = prepare_model(cfg.model)
-    rows = preflight(cfg, model_path, rows)
+    rows = preflight(cfg, model_path, rows, tools)
     check_answers(cfg.reward, cfg.data, eval_rows, "the held-out set")
     eval_rows = check_prompt_lengths(cfg, model_path, eval_rows, "the held-out set")
     dumped = cfg.model_dump(mode="json")
