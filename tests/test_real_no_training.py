@@ -45,6 +45,7 @@ def test_episodes_that_all_fail_are_said_with_the_environments_error_and_stop_th
         "rollout.prompts_per_step=2",
         "rollout.group_size=2",
         "rollout.episode.turn_max_tokens=8",
+        "eval.prompts=null",  # no held-out rounds: the run is about its training steps
         "eval.every=0",
         "run.steps=6",
         "run.max_empty_steps=2",
