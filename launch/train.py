@@ -192,7 +192,9 @@ async def collect_one(cfg: TandemConfig, parts: RunParts, stop: StopRequest, ste
         return None
     batch = collecting.result()
     if batch.oversample_reached:
-        parts.health.oversample_reached(step, cfg.algorithm.filtering.max_oversample, cfg.rollout.prompts_per_step)
+        parts.health.oversample_reached(
+            step, cfg.algorithm.filtering.max_oversample, cfg.rollout.prompts_per_step, batch.groups
+        )
     return batch
 
 

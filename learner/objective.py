@@ -88,6 +88,8 @@ def build_objective(algorithm: AlgorithmConfig, max_tokens: int) -> Objective:
             metrics.update(reject_metrics)
         if normalize:  # w_t / mean(w): the step's mean weight over its trained units (after rejection) is 1
             policy_weights = policy_weights / normaliser.is_mean
+        real = mask > 0  # kept_frac: the share of trained tokens the loss still weighs (IS weight, rules: not 0)
+        metrics["kept_frac"] = ((policy_weights != 0) & real).sum().to(weights.dtype) / real.sum().clamp(min=1)
         loss, loss_metrics = policy_loss(learner_logprobs, old, tokens.advantages, mask, policy_weights)
         metrics.update(loss_metrics)
         if kl is not None or exact:

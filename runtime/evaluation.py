@@ -66,6 +66,8 @@ def eval_metrics(groups: list[TrajectoryGroup], correct_reward: float) -> dict[s
     out["eval/completion_len_mean"] = float(np.mean([len(t.completion_token_ids) for t in trajs]))
     out["eval/truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
     out["eval/reward_errors"] = sum(g.reward_errors for g in groups)
+    if failed := [t.episode_failure for t in trajs if t.episode_failure]:  # episodes their environment ended
+        out["eval/episode_failed"], out["eval/episode_failure"] = len(failed), failed[0]
     versions = [int(np.min(t.policy_versions)) for t in trajs if len(t.policy_versions)]
     out["eval/policy_version"] = min(versions) if versions else 0
     return out
@@ -230,4 +232,10 @@ def eval_line(step: int | None, metrics: dict[str, Any]) -> str:
         f"eval{'' if step is None else f' after step {step}'}: pass@1 {metrics.get('eval/pass@1', 0):.3f}{k} | reward "
         f"{metrics.get('eval/reward_mean', 0):.3f} | length {metrics.get('eval/completion_len_mean', 0):.1f} "
         f"| {metrics.get('eval/prompts', 0)} prompts x {n} in {metrics.get('eval/seconds', 0):.1f}s"
+        + (
+            f" | {metrics['eval/episode_failed']} episodes ended by their environment (first: "
+            f"{metrics['eval/episode_failure']})"
+            if metrics.get("eval/episode_failed")
+            else ""
+        )
     )

@@ -103,15 +103,24 @@ class RunHealth:
             f"and train no token; {new}"
         )
 
-    def oversample_reached(self, step: int, max_oversample: float, prompts_per_step: int) -> None:
-        """Dynamic sampling hit its limit: zero-variance groups filled the batch. Said once a run."""
+    def oversample_reached(self, step: int, max_oversample: float, prompts_per_step: int, groups=()) -> None:
+        """Dynamic sampling hit its limit: zero-variance groups filled the batch. Said once a run, with the
+        likely reason: the batch's failed episodes when most of them failed, else the task's difficulty."""
         if self.said_oversample:
             return
         self.said_oversample = True
+        episodes = [t for g in groups for t in g.trajectories if t.episode is not None]
+        failed = [t.episode_failure for t in episodes if t.episode_failure]
+        why = (
+            f"{len(failed)} of the batch's {len(episodes)} episodes were ended by their environment (first: "
+            f"{failed[0]})"
+            if episodes and len(failed) >= MOSTLY * len(episodes)
+            else "too easy or too hard a task?"
+        )
         self.say(
             f"step {step + 1}: dynamic sampling reached algorithm.filtering.max_oversample ({max_oversample:g} x "
             f"{prompts_per_step} groups): zero-variance groups fill the batch; most groups have equal rewards "
-            "(too easy or too hard a task?)"
+            f"({why})"
         )
 
     def _collapse(self, step: int, groups: list, metrics: dict[str, Any]) -> None:
@@ -183,35 +192,25 @@ MOSTLY = 0.5  # a share of failed episodes or rejected tokens that explains a st
 
 def untrained_cause(metrics: dict[str, Any]) -> str | None:
     """None when the step trained a token (``trained_tokens`` > 0, ``step_metrics``), else why it did not:
-    the rules of ``algorithm.tis`` took out every token, its environment failed every episode, or every
-    completion was cut and masked. A record without ``trained_tokens`` (an older run) trained."""
+    the rules of ``algorithm.tis`` took out every token, its environment failed every episode (or the rest
+    were cut and masked), or every completion was cut and masked. A record without ``trained_tokens`` (an
+    older run) trained."""
     if metrics.get("trained_tokens", 1.0) > 0:
         return None
     tokens = float(metrics.get("learner/tokens", 0.0))
     if tokens > 0:
-        rules = ", ".join(
-            f"{k.removeprefix('learner/reject_').removesuffix('_frac')} {v:.0%}"
-            for k, v in metrics.items()
-            if k.startswith("learner/reject_") and k not in ("learner/reject_token_frac", "learner/reject_seq_frac")
-        )
-        if float(metrics.get("learner/reject_token_frac", 0.0)) >= 1.0:
-            return (
-                f"algorithm.tis.reject rejected all {tokens:.0f} tokens of the step (by rule: {rules}); widen the "
-                "rules' low/high bounds or remove a rule (docs/offpolicy.md)"
-            )
-        return (
-            f"importance sampling's algorithm.tis.mode masked all {tokens:.0f} tokens of the step (weight 0 outside "
-            "its bounds); widen algorithm.tis.cap (or low/high) or use tis.mode=truncate"
-        )
-    failed = float(metrics.get("episode/failed", 0))
+        return _weighed_nothing(metrics, tokens)
+    failed = sum(float(metrics.get(f"episode/end_{end}_frac", 0.0)) for end in EPISODE_FAILURES)
     if failed:
         ends = ", ".join(
             f"{end} {metrics[f'episode/end_{end}_frac']:.0%}"
             for end in EPISODE_FAILURES
             if metrics.get(f"episode/end_{end}_frac")
         )
+        which = "every episode was" if failed >= 1.0 - 1e-9 else f"{failed:.0%} of the episodes were"
+        rest = "" if failed >= 1.0 - 1e-9 else " (the rest were cut at rollout.max_tokens and masked)"
         return (
-            f"every episode was ended by its environment ({ends}), and such an episode trains no token; first: "
+            f"{which} ended by its environment ({ends}), and such an episode trains no token{rest}; first: "
             f"{metrics.get('episode_failure', '?')}; fix the environment (each failure's text is in samples.jsonl "
             "and the actor logs; `tandem check-data` runs its reset())"
         )
@@ -221,6 +220,31 @@ def untrained_cause(metrics: dict[str, Any]) -> str | None:
             "them; raise rollout.max_tokens (and engine.max_model_len)"
         )
     return "no completion token was left to train on (every token masked out)"
+
+
+def _weighed_nothing(metrics: dict[str, Any], tokens: float) -> str:
+    """Why a step's ``tokens`` trained tokens all got weight 0: the rejection rules, the weights' mode, or both."""
+    rules = ", ".join(
+        f"{k.removeprefix('learner/reject_').removesuffix('_frac')} {v:.0%}"
+        for k, v in metrics.items()
+        if k.startswith("learner/reject_") and k not in ("learner/reject_token_frac", "learner/reject_seq_frac")
+    )
+    rejected = float(metrics.get("learner/reject_token_frac", 0.0))
+    masked = float(metrics.get("learner/tis_masked_frac", 0.0))
+    if rejected >= 1.0:
+        return (
+            f"algorithm.tis.reject rejected all {tokens:.0f} tokens of the step (by rule: {rules}); widen the "
+            "rules' low/high bounds or remove a rule (docs/offpolicy.md)"
+        )
+    if masked >= 1.0 or not rules:
+        return (
+            f"importance sampling's algorithm.tis.mode gave all {tokens:.0f} tokens of the step weight 0 (outside "
+            "its bounds); widen algorithm.tis.cap (or low/high) or use tis.mode=truncate"
+        )
+    return (
+        f"algorithm.tis.reject ({rejected:.0%} of tokens, by rule: {rules}) and algorithm.tis.mode ({masked:.0%} of "
+        f"its units masked) together left none of the step's {tokens:.0f} tokens a weight; widen their bounds"
+    )
 
 
 @dataclass
@@ -345,7 +369,9 @@ class SignalWatch:
         )
 
     def _empty(self, step: int, cause: str) -> str:
-        """A step that trained no token is said every time; the summary keeps the first of each stretch."""
+        """A step that trained no token is said every time; the summary keeps the first of each stretch. It
+        breaks a stretch without signal (it is a step of another kind)."""
+        self.streak = []
         self.empty_steps += 1
         self.empty_streak += 1
         self.empty_cause = self.empty_cause or cause

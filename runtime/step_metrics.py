@@ -48,12 +48,10 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
 
 def trained_tokens(learner: dict[str, float]) -> float:
     """The completion tokens the step's loss weighed: the learner's masked-in tokens (an episode its
-    environment failed, an overlong completion under ``mask_truncated``, a tool's output: masked out) less
-    those the importance-sampling rules took out (``tis.reject``, ``tis.mode`` mask or band: weight 0)."""
-    kept = float(learner.get("tokens", 0.0))
-    for key in ("reject_token_frac", "tis_masked_frac"):
-        kept *= 1.0 - float(learner.get(key, 0.0))
-    return kept
+    environment failed, an overlong completion under ``mask_truncated``, a tool's output: masked out) times
+    the share whose weight the importance-sampling rules left non-zero (``kept_frac``: ``tis.reject``,
+    ``tis.mode`` mask or band)."""
+    return float(learner.get("tokens", 0.0)) * float(learner.get("kept_frac", 1.0))
 
 
 STALENESS_SAMPLE = 65536  # at most this many per-token staleness values a step reach the histograms

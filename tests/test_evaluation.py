@@ -14,7 +14,7 @@ from queues.bounded import LocalQueue
 from queues.messages import Trajectory, TrajectoryGroup
 from runtime.collector import BatchCollector
 from runtime.evaluation import Evaluator, eval_metrics, ks_for, pass_at_k
-from tests.fakes import RecordingAdmission
+from tests.fakes import RecordingAdmission, make_group
 
 
 def test_pass_at_k_by_hand():
@@ -121,3 +121,17 @@ def test_eval_every_needs_a_held_out_set():
         load_config(
             None, ["model.path=m", "data.prompts=p", "reward.function=f", "eval.prompts=e", "eval.fraction=0.1"]
         )
+
+
+def test_an_eval_round_says_how_many_of_its_episodes_their_environment_ended():
+    from runtime.evaluation import eval_line
+
+    group = make_group(-1, [0.0, 0.0, 1.0])
+    for traj, end in zip(group.trajectories, ["error", "done", "done"]):
+        traj.episode = {"end": end, "detail": "RuntimeError: the sandbox is gone" if end == "error" else None}
+    m = eval_metrics([group], correct_reward=1.0)
+    assert m["eval/episode_failed"] == 1 and m["eval/episode_failure"] == "error: RuntimeError: the sandbox is gone"
+    assert eval_line(0, {**m, "eval/seconds": 1.0}).endswith(
+        "| 1 episodes ended by their environment (first: error: RuntimeError: the sandbox is gone)"
+    )
+    assert "episode_failed" not in eval_metrics([make_group(-1, [0.0, 1.0])], correct_reward=1.0)

@@ -279,9 +279,11 @@ def test_steps_that_train_nothing_stop_the_run_after_max_empty_steps_with_the_ca
     health = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=3, say=print, max_empty_steps=3)
     batch = _episode_batch(["done", "done"])
     rejected = step_metrics(
-        batch, _learner(batch, reject_token_frac=1.0, reject_token_k2_frac=1.0, reject_seq_frac=1.0), 1.0
+        batch,
+        _learner(batch, reject_token_frac=1.0, reject_token_k2_frac=1.0, reject_seq_frac=1.0, kept_frac=0.0),
+        1.0,
     )
-    trained = step_metrics(batch, _learner(batch, reject_token_frac=0.86), 1.0)
+    trained = step_metrics(batch, _learner(batch, reject_token_frac=0.86, kept_frac=0.14), 1.0)
     assert rejected["trained_tokens"] == 0 and trained["trained_tokens"] > 0
     health.trained(0, rejected)
     health.trained(1, rejected)
@@ -316,3 +318,40 @@ def test_without_signal_the_cause_names_failed_episodes_and_rejected_tokens_befo
     assert "75% of episodes were ended by their environment and train no token (first: error: boom)" in watch.step(
         0, metrics
     )
+
+
+def test_rules_and_masking_that_together_leave_no_weight_are_named_together():
+    # half the tokens rejected by a rule, the other half masked by tis.mode: no factor is 1, the union is all
+    both = {"trained_tokens": 0.0, "learner/tokens": 100.0, "learner/reject_token_frac": 0.5,
+            "learner/reject_token_k3_frac": 0.5, "learner/tis_masked_frac": 0.5}  # fmt: skip
+    cause = untrained_cause(both)
+    assert cause.startswith("algorithm.tis.reject (50% of tokens, by rule: token_k3 50%) and algorithm.tis.mode")
+    masked = {"trained_tokens": 0.0, "learner/tokens": 100.0, "learner/tis_masked_frac": 1.0}
+    assert untrained_cause(masked).startswith("importance sampling's algorithm.tis.mode gave all 100 tokens")
+
+
+def test_a_step_whose_failed_episodes_and_cut_completions_train_nothing_says_both():
+    mixed = {"trained_tokens": 0.0, "learner/tokens": 0.0, "episode/end_error_frac": 0.5,
+             "episode/end_length_frac": 0.5, "episode/failed": 4, "episode_failure": "error: boom",
+             "truncated_frac": 0.5}  # fmt: skip
+    cause = untrained_cause(mixed)
+    assert cause.startswith("50% of the episodes were ended by its environment (error 50%)")
+    assert "(the rest were cut at rollout.max_tokens and masked)" in cause and "every episode" not in cause
+
+
+def test_a_step_that_trained_nothing_breaks_a_stretch_without_signal():
+    watch = SignalWatch(steps_in_a_row=3)
+    empty = {"trained_tokens": 0.0, "learner/tokens": 0.0, "truncated_frac": 1.0}
+    said = [watch.step(i, s) for i, s in enumerate([step(1.0), step(1.0), empty, step(1.0), step(1.0)])]
+    assert not any(w and "scored alike" in w for w in said)  # 2, then 2: never 3 in a row
+
+
+def test_dynamic_sampling_at_its_limit_names_failed_episodes_instead_of_the_task():
+    said = []
+    health = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=3, say=said.append)
+    health.oversample_reached(0, 3, 16, _episode_batch(["error", "error", "done"]).groups)
+    assert said[0].endswith("(2 of the batch's 3 episodes were ended by their environment (first: error: "
+                            "ValueError: observation must be a string))")  # fmt: skip
+    plain = RunHealth(lr=1e-3, max_error_steps=3, max_nonfinite_steps=3, say=said.append)
+    plain.oversample_reached(0, 3, 16, [make_group(0, [1.0, 1.0])])
+    assert said[1].endswith("(too easy or too hard a task?)")
