@@ -37,6 +37,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from launch.build import StartupError
     from launch.preflight import PreflightError
     from launch.train import LearnerFailed
+    from learner.sft import WarmStartFailed
     from queues.prompts import DatasetError
     from runtime.checkpoints import CheckpointError
     from runtime.collector import DataTimeout
@@ -49,6 +50,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         PreflightError,
         CheckpointError,
         RunCannotLearn,
+        WarmStartFailed,
         LearnerFailed,
         DatasetError,
         RewardSpecError,

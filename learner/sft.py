@@ -15,8 +15,9 @@ Or, with ``target_loss``, until it converges: a skill such as copying a key out 
 in a sharp turn whose step depends on the seed and on the machine's float kernels (the tools example's
 old 800 steps ended past the turn here and before it on another machine), so a fixed count that sits
 near the turn learns on one machine and not on another. The rate then stays at ``lr`` until the mean loss of the
-last ``WINDOW`` steps is below ``target_loss``, decays over a settling tenth of the steps taken, and
-``steps`` is only the limit: a run that does not converge within it raises ``WarmStartFailed``.
+last ``WINDOW`` steps is below ``target_loss``, then decays over a settling stretch (a tenth of the steps
+taken, at least ``WINDOW``), and ``steps`` is only the limit: a run that does not converge within it raises
+``WarmStartFailed``.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def warm_start(
     if target_loss is not None and converged is None:
         raise WarmStartFailed(
             f"the warm-start did not converge: mean loss {window:.3f} after {len(losses)} steps, target "
-            f"{target_loss:g}; allow more steps (the limit), or check the demonstrations"
+            f"{target_loss:g}; allow more steps (`tandem example NAME --sft-steps N`), or check the demonstrations"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

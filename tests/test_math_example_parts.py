@@ -72,3 +72,15 @@ def test_a_warm_start_to_a_target_runs_until_it_converges_and_fails_in_one_line_
     with pytest.raises(WarmStartFailed, match=r"did not converge: mean loss \d\.\d{3} after 60 steps, target 1e-09"):
         warm_start(model, tmp_path / "never", pairs, steps=60, batch_size=4, target_loss=1e-9)
     assert not (tmp_path / "never").exists()  # nothing half-trained is saved
+
+
+def test_an_example_whose_warm_start_does_not_converge_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """`tandem example tools --sft-steps 60`: 60 steps cannot reach the target; one line, rc 2, no run."""
+    from launch.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the example's model cache is under ~/.cache/tandem
+    assert main(["example", "tools", "--sft-steps", "60"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tandem: error: the warm-start did not converge: mean loss ")
+    assert "after 60 steps, target 0.02; allow more steps (`tandem example NAME --sft-steps N`)" in err[-1]
+    assert not any("Traceback" in line for line in err) and not (tmp_path / "runs").exists()
