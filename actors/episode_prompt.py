@@ -49,3 +49,17 @@ def tools_problem(tokenizer, tools: list[dict[str, Any]], environment: str, temp
         f"{offered}, but {template} ignores tools (a prompt renders the same with and without them), so the model "
         f"would never see them; {fix}"
     )
+
+
+def tools_header_tokens(tokenizer, tools: list[dict[str, Any]]) -> int:
+    """The tokens the template spends on ``tools`` in every episode's prompt (one message rendered with and
+    without them); 0 without tools or a template that cannot render them."""
+    if not tools:
+        return 0
+    try:
+        with_tools = tokenizer.apply_chat_template(PROBE, tools=tools, add_generation_prompt=True, tokenize=False)
+        without = tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return 0
+    count = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in (with_tools, without)]
+    return max(count[0] - count[1], 0)

@@ -68,8 +68,8 @@ def check_episodes(
         if error is not None:
             result.lines[i].append(f"reset(row) failed: {error}")
             found.problems.append(
-                f"row {i}: reset(row) of {episode.environment} failed: {error}; an episode of this row ends with "
-                "'error' and trains nothing: fix the environment's reset"
+                f"row {i}: reset(row) of {episode.environment} failed: {error}; an episode of this row ends at once "
+                "(end: error, or timeout when reset hangs) and trains nothing: fix the environment's reset"
             )
             continue
         result.resets += 1
@@ -109,11 +109,12 @@ def _prompt_lines(
         found.problems.append(f"row {i}: the chat template cannot render reset(row)'s messages ({why})")
         return [f"the chat template cannot render these messages: {why}"]
     length, context, budget = len(ids), cfg.engine.max_model_len, cfg.rollout.max_tokens
-    room = context - length
-    if room <= 0:
+    room, turn = context - length, cfg.rollout.episode.turn_max_tokens or budget
+    if room < turn:
         found.problems.append(
-            f"row {i}: the episode's prompt (tools included) is {length} tokens, engine.max_model_len = {context} "
-            "leaves no room for a turn; shorten it or raise engine.max_model_len"
+            f"row {i}: the episode's prompt (tools included) is {length} tokens: engine.max_model_len = {context} "
+            f"leaves {max(room, 0)}, less than one model turn (rollout.episode.turn_max_tokens = {turn}), so the "
+            "episode ends by length before it answers; raise engine.max_model_len or shorten the prompt or tools"
         )
     elif room < budget:
         found.warnings.append(

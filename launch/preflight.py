@@ -49,7 +49,7 @@ def preflight(
     if note:
         print(f"tandem: {note}", file=sys.stderr, flush=True)
     rows = check_prompt_lengths(cfg, model_path, rows, renderer=renderer)
-    check_episode_tools(cfg, model_path, tools)
+    check_episode_tools(cfg, model_path, tools, rows, renderer)
     return rows
 
 
@@ -71,14 +71,20 @@ def load_episode_tokenizer(model_path: str, data: DataConfig) -> tuple[Any, str]
     return tokenizer, f"the chat template {data.chat_template} (data.chat_template)"
 
 
-def check_episode_tools(cfg: TandemConfig, model_path: str, tools: list[dict] | None = None) -> None:
+def check_episode_tools(
+    cfg: TandemConfig,
+    model_path: str,
+    tools: list[dict] | None = None,
+    rows: list[dict[str, Any]] = (),
+    renderer: PromptRenderer | None = None,
+) -> None:
     """A multi-turn run whose environment offers tools needs a chat template that renders them: one that
     ignores them (ChatML) trains a model to call tools it never sees. The tools come from the environment
     class, loaded in a child process with its deadline (``actors/env_pool.py check_environment``)."""
     if cfg.rollout.kind != "multi_turn":
         return
     from actors.env_pool import check_environment
-    from actors.episode_prompt import tools_problem
+    from actors.episode_prompt import tools_header_tokens, tools_problem
 
     loaded = load_episode_tokenizer(model_path, cfg.data)
     if loaded is None:
@@ -88,6 +94,27 @@ def check_episode_tools(cfg: TandemConfig, model_path: str, tools: list[dict] | 
         tools = check_environment(cfg.rollout.episode).tools
     if problem := tools_problem(tokenizer, tools, cfg.rollout.episode.environment, template):
         raise PreflightError(problem)
+    if rows and renderer is not None:
+        check_episode_room(cfg, tools_header_tokens(tokenizer, tools), prompt_lengths("", rows, cfg.data, renderer))
+
+
+def check_episode_room(cfg: TandemConfig, header: int, lengths: list[int]) -> None:
+    """Every episode's prompt carries the tools (``header`` tokens) besides its row's prompt: one that leaves
+    the episode less than a model turn of ``engine.max_model_len`` ends by length before it can answer. All
+    rows so: ``PreflightError``; some: a warning line."""
+    turn = cfg.rollout.episode.turn_max_tokens or cfg.rollout.max_tokens
+    context = cfg.engine.max_model_len
+    short = sum(1 for n in lengths if context - (n + header) < turn)
+    if not short:
+        return
+    line = (
+        f"{short} of {len(lengths)} episode prompts (the row's prompt and the environment's tools, {header} tokens) "
+        f"leave less than one model turn (rollout.episode.turn_max_tokens = {turn}) of engine.max_model_len = "
+        f"{context}: those episodes end by length before they answer"
+    )
+    if short == len(lengths):
+        raise PreflightError(f"{line}; raise engine.max_model_len or shorten the tools' descriptions")
+    print(f"tandem: warning: {line}", file=sys.stderr, flush=True)
 
 
 def row_functions(reward: RewardConfig, row: dict[str, Any]) -> list[str]:

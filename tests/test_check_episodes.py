@@ -154,8 +154,8 @@ def test_a_reset_that_raises_or_hangs_is_a_problem_naming_the_row(tmp_path, chat
     problems = out[out.index("verdict: ") :]
     assert problems.startswith("verdict: 2 problem(s); a run would fail or not learn:\n")
     assert (
-        f"  - row 1: reset(row) of {env} failed: RuntimeError: no such table; an episode of this row ends with "
-        "'error' and trains nothing: fix the environment's reset\n"
+        f"  - row 1: reset(row) of {env} failed: RuntimeError: no such table; an episode of this row ends at once "
+        "(end: error, or timeout when reset hangs) and trains nothing: fix the environment's reset\n"
     ) in problems
     assert (
         f"  - row 2: reset(row) of {env} failed: reset() did not return within rollout.episode.step_timeout_s = 1 s"
@@ -173,3 +173,25 @@ def test_an_environment_that_hangs_at_import_ends_check_data_in_one_line(tmp_pat
         f"tandem: error: rollout.episode.environment '{tmp_path / 'calc.py'}:Calculator' did not finish importing "
         "within 2 s (rollout.episode.import_timeout_s); move slow work out of the file's top level\n"
     )
+
+
+def test_episode_prompts_that_leave_less_than_one_turn_are_a_problem_and_stop_train(tmp_path, chat_model, capsys):
+    """The tools example's context (384) with the tiny chat model's hermes tools (300-token prompts): 84 tokens
+    are left, less than one model turn (96): every episode would end by length before it answers."""
+    overrides = lookup_config(tmp_path, chat_model, "engine.max_model_len=384", "rollout.episode.turn_max_tokens=96")
+    code, out, _ = run_check(capsys, overrides, n=1)
+    assert code == 1
+    assert (
+        "row 0: the episode's prompt (tools included) is 300 tokens: engine.max_model_len = 384 leaves 84, less than "
+        "one model turn (rollout.episode.turn_max_tokens = 96)" in out
+    )
+    with pytest.raises(PreflightError, match=r"^16 of 16 episode prompts \(the row's prompt and the environment's "
+                       r"tools, \d+ tokens\) leave less than one model turn"):  # fmt: skip
+        preflight(load_config(None, overrides), str(chat_model), _lookup_rows())
+    assert preflight(load_config(None, lookup_config(tmp_path, chat_model)), str(chat_model), _lookup_rows())
+
+
+def _lookup_rows() -> list[dict]:
+    from actors.lookup_task import lookup_rows
+
+    return lookup_rows(16)
