@@ -235,7 +235,8 @@ class MultiTurn:
         count = self.failures[record.end] = self.failures.get(record.end, 0) + 1
         if count <= LOGGED_FAILURES or count % 100 == 0:
             print(
-                f"[{self.spec.name}] episode of prompt {request.prompt_id} ended by its environment ({count} so far "
+                f"[{self.spec.name}] episode of {'held-out ' if request.purpose == 'eval' else ''}prompt "
+                f"{request.prompt_id} ended by its environment ({count} so far "
                 f"ended {record.end}): {record.end}: {record.detail}",
                 flush=True,
             )

@@ -37,14 +37,16 @@ def with_lora(model, lora: LoraConfig):
     return get_peft_model(model, config)
 
 
-def lora_summary(model) -> dict[str, int]:
+def lora_summary(model, dtype: str = "float32") -> dict[str, int]:
     """What a LoRA policy trains and sends: ``trainable`` and ``total`` parameters, and ``adapter_bytes``, the
-    adapters' size as each publish carries them (their own dtype)."""
+    adapters' size as each publish carries them: in the training ``dtype`` (``model.dtype``; DeepSpeed casts
+    the module to it after this is measured)."""
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     adapters = [p for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
     return {
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "total": sum(p.numel() for p in model.parameters()),
-        "adapter_bytes": sum(p.numel() * p.element_size() for p in adapters),
+        "adapter_bytes": sum(p.numel() for p in adapters) * size,
     }
 
 
@@ -55,7 +57,7 @@ def describe_lora(lora: LoraConfig, summary: dict[str, int]) -> str:
     return (
         f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {targets}: {summary['trainable'] / 1e6:.2f}M trainable of "
         f"{summary['total'] / 1e6:.2f}M parameters ({share:.2%}); the base, its output head and embeddings stay "
-        f"frozen; each publish sends {summary['adapter_bytes'] / 2**20:.2f} MB of adapters"
+        f"frozen; each publish sends {summary['adapter_bytes'] / 1e6:.2f} MB of adapters"
     )
 
 

@@ -170,7 +170,7 @@ class LearnerWorker:
                 enable_gradient_checkpointing(model)
             if spec.learner.lora is not None:
                 model = with_lora(model, spec.learner.lora)  # the base frozen: only the adapters train
-                self.lora = lora_summary(model)  # what the console says of it (before ZeRO-3 partitions it)
+                self.lora = lora_summary(model, spec.dtype)  # the console's line (before ZeRO-3 partitions it)
             models.policy = self._engine(model, spec.learner, spec.learner.lr, spec.dtype, spec.total_updates)
         if "critic" in roles:
             critic = spec.algorithm.critic

@@ -269,7 +269,8 @@ def test_lora_says_what_trains_and_what_a_publish_sends(tiny_model_dir):
     assert summary["trainable"] == 2 * per_layer == 32768 and summary["adapter_bytes"] == 4 * 32768
     line = describe_lora(lora, summary)
     assert line.startswith("LoRA: rank 8, alpha 16 on all-linear: 0.03M trainable of ")
-    assert "output head and embeddings stay frozen; each publish sends 0.12 MB of adapters" in line
+    assert "output head and embeddings stay frozen; each publish sends 0.13 MB of adapters" in line
+    assert lora_summary(model, "bfloat16")["adapter_bytes"] == 2 * 32768  # what a bfloat16 run publishes
 
 
 def test_lora_dropout_is_warned_before_the_run():
