@@ -403,7 +403,13 @@ class AlgorithmConfig(Section):
     @property
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the user wants, one line each."""
-        out = []
+        out = [
+            f"algorithm.tis.reject: a rule keeps only {r.divergence} >= {r.low:g}, but {r.divergence} is 0 for a token "
+            "the learner and the sampler agree on (on-policy): such a rule rejects the tokens that need no "
+            "correction; did you mean high?"
+            for r in self.tis.reject
+            if r.divergence in ("k2", "k3") and r.low is not None and r.low > 0
+        ]
         if self.kl.in_loss and self.kl.estimator == "k1":
             out.append(
                 "algorithm.kl.placement=loss with estimator=k1: the gradient of the k1 term does not involve the "

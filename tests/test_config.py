@@ -194,3 +194,12 @@ def test_the_descriptions_of_choices_name_every_choice():
     assert [m for m in AGGREGATIONS if m not in aggregation] == []
     estimator = KLConfig.model_fields["estimator"].description
     assert [k for k in (*KL_ESTIMATORS, "exact") if k not in estimator] == []
+
+
+def test_a_rejection_rule_with_a_positive_floor_on_k2_or_k3_is_warned_about():
+    """k2 and k3 are 0 on-policy: `low: 1.0` keeps only the tokens that diverge (the review's run rejected all)."""
+    base = ["model.path=m", "data.prompts=p", "reward.function=f"]
+    cfg = load_config(None, [*base, "algorithm.tis.reject=[{level: token, divergence: k2, low: 1.0}]"])
+    assert any(w.startswith("algorithm.tis.reject: a rule keeps only k2 >= 1, but k2 is 0") for w in cfg.warnings)
+    fine = load_config(None, [*base, "algorithm.tis.reject=[{divergence: k1, low: -0.1, high: 0.1}, {high: 2.0}]"])
+    assert not any("tis.reject" in w for w in fine.warnings)
