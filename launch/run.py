@@ -6,7 +6,7 @@ Errors a user can fix are re-raised as they are (the command prints their one li
 becomes an ``UnexpectedError`` whose traceback is in the run's driver log. Every run writes
 ``logs/driver.log``: each line the console showed (timed), the error that ended the run, and the
 traceback of an unexpected one. summary.json also says whether the run had a learning signal
-(``SignalWatch``, ``runtime/health.py``).
+(``SignalWatch``, ``runtime/signals.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 from cluster.logs import append_log
 from launch.config import ConfigError, load_config
 from observe.live import DriverView
-from runtime.health import SignalWatch
+from runtime.signals import SignalWatch
 
 
 # Errors that are the user's to fix: printed as one line, no traceback.

@@ -7,7 +7,7 @@ staleness, tokens/s, reward errors, actor restarts and learner idle share) and p
 messages above it. The view never raises into the training loop: a display error stops it and
 the plain lines take over. ``DriverView`` wraps either: every line also goes to the run's
 ``logs/driver.log``, and each step's and evaluation's metrics are shown to watchers
-(``runtime/health.py``'s ``SignalWatch``) whose warnings are printed like any message.
+(``runtime/signals.py``'s ``SignalWatch``) whose warnings are printed like any message.
 """
 
 from __future__ import annotations

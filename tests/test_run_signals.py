@@ -14,8 +14,9 @@ import launch.train
 from launch.run import UnexpectedError, run_training, signal_summary
 from observe.live import DriverView, PlainLines, StepStatus
 from runtime.collector import Batch
-from runtime.health import RunCannotLearn, RunHealth, SignalWatch, Silent, no_signal_cause, untrained_cause
+from runtime.health import RunCannotLearn, RunHealth
 from runtime.saving import Progress
+from runtime.signals import SignalWatch, Silent, no_signal_cause, untrained_cause
 from runtime.step_metrics import sample_records, step_metrics
 from runtime.supervise import ActorFailed, ActorKeepsFailing
 from tests.fakes import make_group
