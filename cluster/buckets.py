@@ -78,18 +78,19 @@ def plan_buckets(named: NamedTensors, bucket_bytes: int) -> tuple[list[int], lis
 def pack_bucket(
     named: NamedTensors, header: PushHeader, bucket: int, device: str = "cpu", out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The bytes of one bucket (uint8), packed into ``out`` when it fits. A bucket holding one
-    contiguous tensor is that tensor's own memory, not a copy."""
+    """The bytes of one bucket (uint8), packed into the front of ``out`` when it is large enough (a
+    pack buffer reused across buckets of different sizes). A bucket holding one contiguous tensor
+    on ``device`` is that tensor's own memory, not a copy."""
     lone = lone_tensor(named, header, bucket, device)
     if lone is not None:
         return lone
     size = header.bucket_bytes[bucket]
-    reuse = out is not None and out.numel() == size and out.device.type == device
-    flat = out if reuse else torch.empty(size, dtype=torch.uint8, device=device)
+    reuse = out is not None and out.numel() >= size and out.device.type == device
+    flat = out.narrow(0, 0, size) if reuse else torch.empty(size, dtype=torch.uint8, device=device)
     for slot, (_, t) in zip(header.slots, named, strict=True):
         if slot.bucket != bucket:
             continue
-        flat[slot.offset : slot.offset + slot.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        flat.narrow(0, slot.offset, slot.nbytes).copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return flat
 
 

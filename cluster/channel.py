@@ -58,6 +58,8 @@ class WeightReceiver(Protocol):
 class WeightPublisher(Protocol):
     """Learner rank 0's end of the channel."""
 
+    device: str  # where ``publish`` wants the tensors: "cpu", or "cuda" (an NCCL group sends from the GPU)
+
     def publish(self, version: int, weights: NamedTensors) -> None:
         """Send ``weights`` as ``version`` (an older or equal version is ignored); raises on a missed deadline."""
 

@@ -13,6 +13,12 @@ from pydantic import Field
 from cluster.channel import WEIGHT_BACKENDS
 from schema import Section
 
+# NCCL's watchdog tears the whole process down when an operation misses its timeout (torch's
+# default, TORCH_NCCL_ASYNC_ERROR_HANDLING=3): a stalled actor would kill learner rank 0 before the
+# push's own deadline could raise the error naming it. 2 aborts the communicator only, and the
+# waiting call raises.
+NCCL_ERRORS_RAISE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
 
 class WeightsConfig(Section):
     backend: Literal[WEIGHT_BACKENDS] = Field(  # type: ignore[valid-type]
@@ -23,3 +29,29 @@ class WeightsConfig(Section):
     process_group: Literal["gloo", "nccl"] = Field("gloo", description="Backend of the distributed weight group.")
     push_timeout_s: float = Field(60, gt=0, description="Deadline of one distributed push; a stalled actor is named.")
     bucket_mb: int = Field(64, gt=0, description="Bucket size of a distributed push, in MiB.")
+
+    def check_placement(self, shares_devices: bool, receiver_devices: int) -> None:
+        """NCCL's rules for the distributed weight group, before anything starts: one device per rank of
+        a communicator (``shares_devices``: the colocated schedule puts actor 0 on learner rank 0's GPU),
+        and a receiver's buffers on the one device its thread sees (``receiver_devices``: an engine's
+        tensor-parallel GPUs; the whole model would land on the first, outside vLLM's memory budget)."""
+        if self.backend != "distributed" or self.process_group != "nccl":
+            return
+        fix = "set weights.backend=ray or weights.process_group=gloo"
+        if shares_devices:
+            raise ValueError(
+                "weights.process_group = nccl with run.schedule = colocated puts learner rank 0 and actor 0 on one "
+                f"GPU, which NCCL refuses ('Duplicate GPU detected'): {fix}"
+            )
+        if receiver_devices > 1:
+            raise ValueError(
+                f"weights.process_group = nccl with resources.actors.tensor_parallel = {receiver_devices} receives "
+                f"the whole model on each engine's first GPU, outside vLLM's memory budget: {fix}"
+            )
+
+    @property
+    def process_env(self) -> dict[str, str]:
+        """Environment of the processes in the weight group (learner ranks, generation actors): with
+        NCCL, a missed deadline raises the push's error naming the actor instead of NCCL's watchdog
+        ending the process (``cluster/dist_group.py``)."""
+        return dict(NCCL_ERRORS_RAISE) if self.backend == "distributed" and self.process_group == "nccl" else {}

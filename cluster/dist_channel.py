@@ -41,6 +41,7 @@ from cluster.dist_group import (
     device_of,
     left,
     listening_socket,
+    release,
     short,
     wait_keys,
 )
@@ -54,6 +55,9 @@ def node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+PACK_RING = 2  # the publisher's pack buffers, reused in turn
 
 
 class WeightPushError(RuntimeError):
@@ -132,7 +136,8 @@ class DistPublisher:
         self._group = None
         self._error: str | None = None  # why the channel is unusable
         self._seq, self._version, self._closed = 0, 0, False
-        self._pack_buffers: dict[int, torch.Tensor] = {}  # bucket index -> its pack buffer, kept between pushes
+        self.device = device_of(backend)  # where publish wants the tensors: NCCL sends from the GPU
+        self._pack_buffers: dict[int, torch.Tensor] = {}  # ring slot -> its pack buffer, kept between pushes
         self._stop = threading.Event()
         self._connecting = threading.Thread(target=self._connect, name="weight-publisher-connect", daemon=True)
         self._connect_deadline = time.monotonic() + connect_timeout_s
@@ -208,7 +213,7 @@ class DistPublisher:
         seq = self._seq
         try:
             self._announce(seq, header)
-            broadcast_all(self._group, self._pack(weights, header), deadline)
+            broadcast_all(self._group, self._pack(weights, header), deadline, in_flight=PACK_RING - 1)
             self._store.wait([f"push/{seq}/ack/{r}" for r in range(1, self.world_size)], left(deadline))
         except Exception as exc:
             self._fail(version, seq, short(exc), time.monotonic() - start)
@@ -219,16 +224,22 @@ class DistPublisher:
         self._version = version
 
     def _pack(self, weights: NamedTensors, header: PushHeader) -> Iterator[torch.Tensor]:
-        """Buckets one at a time (bucket b+1 is packed while bucket b is on the wire), into the
-        previous push's pack buffers: fresh ones would page-fault on every push."""
-        device = device_of(self.backend)
+        """Buckets one at a time, bucket b+1 packed while bucket b is on the wire, into a ring of
+        ``PACK_RING`` buffers kept between pushes (fresh memory would page-fault on every push):
+        the channel holds at most ``PACK_RING`` buckets' bytes on ``self.device``, not a copy of the
+        model (``broadcast_all`` lets a slot be packed again only once its broadcast is done). A
+        bucket of one tensor already on the device is sent from its own memory."""
         for b in range(len(header.bucket_bytes)):
-            lone = lone_tensor(weights, header, b, device)
+            lone = lone_tensor(weights, header, b, self.device)
             if lone is not None:
                 yield lone
                 continue
-            self._pack_buffers[b] = pack_bucket(weights, header, b, device, out=self._pack_buffers.get(b))
-            yield self._pack_buffers[b]
+            size, held = header.bucket_bytes[b], self._pack_buffers.get(b % PACK_RING)
+            if held is None or held.numel() < size:  # a slot holds any bucket of up to bucket_bytes
+                held = torch.empty(max(size, min(self.bucket_bytes, max(header.bucket_bytes))), dtype=torch.uint8,
+                                   device=self.device)  # fmt: skip
+                self._pack_buffers[b % PACK_RING] = held
+            yield pack_bucket(weights, header, b, self.device, out=held)
 
     def _beats(self) -> dict[int, int]:
         return {r: self._store.add(f"hb/{r}", 0) for r in range(1, self.world_size)}
@@ -278,3 +289,4 @@ class DistPublisher:
             return  # the store itself is gone: receivers find out from their own connections
         if self._group is not None and not self._error:
             wait_keys(self._store, [f"bye/{r}" for r in range(1, self.world_size)], timeout)
+            release(self._group)  # a failed push aborted it already

@@ -70,19 +70,28 @@ def device_of(backend: str) -> str:
     return "cuda" if backend == "nccl" else "cpu"
 
 
-def broadcast_all(group, buffers: Iterable[torch.Tensor], deadline: float) -> None:
-    """Broadcast every buffer from rank 0 (queued together, so packing overlaps sending); each
-    operation and each wait is bounded by ``deadline``."""
-    works = []
+def broadcast_all(group, buffers: Iterable[torch.Tensor], deadline: float, in_flight: int | None = None) -> None:
+    """Broadcast every buffer from rank 0, each operation and each wait bounded by ``deadline``.
+
+    ``in_flight``: at most this many operations outstanding while the next buffer is taken from
+    ``buffers`` (a packer that reuses a ring of ``in_flight + 1`` buffers may overwrite the oldest:
+    its operation has finished). None: all queued together (receivers' buffers are all their own)."""
+    works: list = []
     for buf in buffers:
         if buf.numel() == 0:
             continue
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.timeout = 0, left(deadline)
         works.append(group.broadcast([buf], opts))
+        while in_flight is not None and len(works) > in_flight:
+            _wait(works.pop(0), deadline)
     for work in works:
-        if not work.wait(left(deadline)):
-            raise TimeoutError("broadcast did not finish before the deadline")
+        _wait(work, deadline)
+
+
+def _wait(work, deadline: float) -> None:
+    if not work.wait(left(deadline)):
+        raise TimeoutError("broadcast did not finish before the deadline")
 
 
 def left(deadline: float) -> timedelta:
@@ -91,12 +100,23 @@ def left(deadline: float) -> timedelta:
 
 def abort(group) -> None:
     """Drop a group after a failure so no half-finished operation lingers."""
-    for method in ("abort", "shutdown"):
+    _end(group, ("abort", "shutdown"))
+
+
+def release(group) -> None:
+    """End a group after its last operation: torch's NCCL group dropped without ``shutdown`` (or
+    ``abort``) warns and can hang at exit."""
+    _end(group, ("shutdown", "abort"))
+
+
+def _end(group, methods: tuple[str, ...]) -> None:
+    for method in methods:
         try:
             getattr(group, method)()
             return
         except Exception:
             continue
+
 
 
 def short(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from cluster.buckets import PushHeader, unpack
 from cluster.channel import ChannelClosed, ChannelFailed, NamedTensors, WeightsTimeout
 from cluster.dist_channel import DistChannelSpec
-from cluster.dist_group import abort, broadcast_all, build_group, device_of, short, wait_keys
+from cluster.dist_group import abort, broadcast_all, build_group, device_of, release, short, wait_keys
 from cluster.weights import NewestReceiver, NewestWeights
 
 IDLE_WAIT_S = 60.0  # a receiver's wait for the next push is renewed this often (the store wakes it sooner)
@@ -114,6 +114,7 @@ class DistReceiver(NewestReceiver):
                     store.set(f"bye/{self.rank}", "1")
                     # Tear the group down in this thread before is_closed() lets the process exit:
                     # its threads destroyed mid-teardown at exit abort the process.
+                    release(group)
                     group = None
                     self._newest.end()
                     return

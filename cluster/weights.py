@@ -151,6 +151,8 @@ class RayWeightChannel:
     """Handle to the store actor; picklable, so it is both the publisher (on learner rank 0) and
     every actor's receiver."""
 
+    device = "cpu"  # publish takes host tensors: they go into Ray's object store
+
     def __init__(self, actor_options: dict | None = None):
         import ray
 
@@ -197,6 +199,8 @@ class RayWeightChannel:
 
 class LocalWeightChannel(NewestReceiver):
     """The same channel inside one process: publisher and receiver at once."""
+
+    device = "cpu"
 
     def __init__(self):
         self._newest = NewestWeights()

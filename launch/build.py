@@ -214,7 +214,8 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         adapter=adapter_spec(cfg),
         sleep_level=engine_sleep_level(cfg),
     )
-    return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
+    env = {**actor_environment(cfg, index), **cfg.weights.process_env}  # an actor is in the weight group
+    return Actor.options(**ray_options(kind, env, scheduling[name])).remote(spec)
 
 
 def adapter_spec(cfg: TandemConfig) -> AdapterSpec | None:
@@ -336,7 +337,7 @@ async def _start_ranks(
     world = 1 if roles == ("reference",) else kind.count
     names = kind.names()
     logs = [run.log_path(n) for n in names]
-    env = rank_environment(kind)
+    env = {**rank_environment(kind), **cfg.weights.process_env}  # rank 0 publishes in the weight group
     workers = [
         ray.remote(LearnerWorker)
         .options(**ray_options(kind, env, scheduling[name] if scheduling else None))

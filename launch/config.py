@@ -200,6 +200,7 @@ class TandemConfig(Section):
             )
         if self.run.schedule == "colocated" and gpus:
             self._check_offload()
+        self.weights.check_placement(self.run.schedule == "colocated", self.resources.actors.tensor_parallel)
         episodes = self.rollout.kind == "multi_turn"
         if self.reward.uses_environment and not episodes:
             raise ValueError(

@@ -362,7 +362,8 @@ class LearnerWorker:
         (``WeightPushError`` on the distributed channel) naming any actor that missed the deadline.
         Returns this rank's spans of the step, each marked with the ``version`` it produced."""
         with self.spans.span("publish"):
-            named = self.export_weights(copy=False)  # publish copies them out before returning
+            # publish copies them out before returning; an NCCL channel sends them from the GPU
+            named = self.export_weights(copy=False, device=self.publisher.device if self.publisher else "cpu")
             if self.rank == 0:
                 if not self._published:
                     size = sum(t.numel() * t.element_size() for _, t in named)
@@ -384,26 +385,29 @@ class LearnerWorker:
         if self.publisher is not None:
             self.publisher.close()
 
-    def export_weights(self, copy: bool = True) -> list | None:
-        """(HF name, CPU tensor) pairs on rank 0, None elsewhere: the policy's weights, or with
+    def export_weights(self, copy: bool = True, device: str = "cpu") -> list | None:
+        """(HF name, tensor) pairs on rank 0, None elsewhere: the policy's weights, or with
         ``learner.lora`` its adapter's (PEFT's names). Every rank must call it (under ZeRO-3 gathering
-        the shards is a collective)."""
+        the shards is a collective). ``device``: where the tensors are wanted (``cuda`` for an NCCL
+        weight channel: at ZeRO 0-2 with ``copy=False`` the live parameters themselves, no copy through
+        the host); ZeRO-3's gathered parameters always come to the host one by one, never the whole
+        model gathered on the device."""
         import torch
 
         module = self.policy.module
         if is_peft(module):
-            return adapter_weights(self._gather(lambda name: ".lora_" in name, copy))
+            return adapter_weights(self._gather(lambda name: ".lora_" in name, copy, device))
         if self.zero_stage == 3:
             return self._gather(lambda name: True)
         with torch.no_grad():
             if self.rank != 0:
                 return None
-            # copy=False: views of the live parameters (on CPU), valid until the next step.
-            return [(name, t.detach().to("cpu", copy=copy)) for name, t in module.state_dict().items()]
+            # copy=False: views of the live parameters (where they are wanted), valid until the next step.
+            return [(name, t.detach().to(device, copy=copy)) for name, t in module.state_dict().items()]
 
-    def _gather(self, wanted, copy: bool = True) -> list | None:
-        """(name, CPU tensor) of the policy's parameters whose name ``wanted`` accepts, on rank 0 (None
-        elsewhere); under ZeRO-3 every rank gathers them together."""
+    def _gather(self, wanted, copy: bool = True, device: str = "cpu") -> list | None:
+        """(name, tensor) of the policy's parameters whose name ``wanted`` accepts, on rank 0 (None
+        elsewhere), on ``device`` (ZeRO-3: the host); under ZeRO-3 every rank gathers them together."""
         import deepspeed
         import torch
 
@@ -418,4 +422,4 @@ class LearnerWorker:
                 return named if self.rank == 0 else None
             if self.rank != 0:
                 return None
-            return [(n, p.detach().to("cpu", copy=copy)) for n, p in params]
+            return [(n, p.detach().to(device, copy=copy)) for n, p in params]
