@@ -147,10 +147,11 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 3, done.stderr  # tandem's exit status is the job's
     expected = [
-        "srun --nodes=1 --ntasks=1 -w n1 ray start --head --node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 "
-        "--num-gpus=2 --block"
+        "srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w n1 ray start --head "
+        "--node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 --num-gpus=2 --block"
     ] + [
-        f"srun --nodes=1 --ntasks=1 -w {worker} ray start --address=10.0.0.1:6379 --num-cpus=4 --num-gpus=2 --block"
+        f"srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w {worker} ray start "
+        "--address=10.0.0.1:6379 --num-cpus=4 --num-gpus=2 --block"
         for worker in ("n2", "n3")
     ]
     # the head and workers run in the background: their stubs may log after the script ends
@@ -162,6 +163,19 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     args = (tmp_path / "args").read_text().splitlines()
     assert args == ["train", "--config", "configs/my grpo.yaml", "resources.address=10.0.0.1:6379", *OVERRIDES]
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_every_ray_start_step_asks_for_the_nodes_cpus_and_gpus_itself(cfg, gpus):
+    """Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: a step without it gets one core."""
+    if not gpus:  # a CPU cluster
+        cfg = load_config(None, ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"])
+    script = render_sbatch(cfg, "c.yaml", [], nodes=3, gpus_per_node=gpus, cpus_per_node=16, partition=None,
+                           time_limit="1:00:00", job_name="t", venv=None)  # fmt: skip
+    lines = script.replace("\\\n", " ").splitlines()  # a continued command on one line
+    steps = [line for line in lines if line.strip().startswith("srun") and "ray start" in line]
+    assert len(steps) == 2 and all("--cpus-per-task=16" in line for line in steps)  # the head's and the workers'
+    assert all(("--gpus-per-node=2" in line) == bool(gpus) for line in steps)
 
 
 def test_sbatch_passes_slurms_sigterm_to_tandem_train_and_exits_with_its_status(cfg, tmp_path):

@@ -64,15 +64,18 @@ wait_for_nodes() {  # $1: nodes that must be up; gives up at the deadline
     done
 }
 
+# Each Ray node's step asks for the node's CPUs and GPUs itself: since Slurm 22.05 srun does not
+# inherit --cpus-per-task from sbatch, and a step left at one core would confine the raylet and every
+# engine, learner rank and reward worker it starts to that core.
 echo "tandem-slurm: Ray head on $head ($ray_address)"
-srun --nodes=1 --ntasks=1 -w "$head" \\
+srun --nodes=1 --ntasks=1 @step -w "$head" \\
     ray start --head --node-ip-address="$head_ip" --port=@port --num-cpus=@cpus --num-gpus=@gpus --block &
 ray_pids+=($!)
 wait_for_nodes 1
 
 for node in "${nodes[@@]:1}"; do
     echo "tandem-slurm: Ray worker on $node"
-    srun --nodes=1 --ntasks=1 -w "$node" \\
+    srun --nodes=1 --ntasks=1 @step -w "$node" \\
         ray start --address="$ray_address" --num-cpus=@cpus --num-gpus=@gpus --block &
     ray_pids+=($!)
 done
@@ -144,6 +147,7 @@ def render_sbatch(
         port=ray_port,
         cpus=cpus_per_node,
         gpus=gpus_per_node,
+        step=f"--cpus-per-task={cpus_per_node}" + (f" --gpus-per-node={gpus_per_node}" if gpus_per_node else ""),
         wait_s=wait_s,
         nodes=nodes,
         signal_s=signal_s,
