@@ -1,7 +1,8 @@
 """The run's parts, built and wired once before the training loop starts.
 
-``assemble`` starts the processes (generation actors and learner ranks side by side), opens the
-queues and the weight channel, restores a resumed run's state, and hands back one ``RunParts``: the
+``assemble`` starts the processes (generation actors and learner ranks side by side, or the engines
+first when they share the learner's GPUs), opens the queues and the weight channel, restores a
+resumed run's state, and hands back one ``RunParts``: the
 objects the training loop (``launch/train.py``) calls by name. None of them calls back into the
 loop: admission feeds the prompt queue, the collector routes what comes back, the actor pool
 replaces a dead actor with the ``ActorStarter`` it was given.
@@ -104,6 +105,20 @@ async def _timed(run: RunLog, phase: str, building):
     return built
 
 
+def engines_measure_shared_gpus(cfg: TandemConfig) -> bool:
+    """The colocated schedule on GPUs: vLLM sizes its KV cache from the whole device's free memory,
+    so whatever a learner rank allocates on the shared GPU while an engine starts is charged to it."""
+    return cfg.run.schedule == "colocated" and bool(cfg.resources.actors.num_gpus)
+
+
+async def start_processes(actors, learner, in_turn: bool):
+    """The generation actors and the learner ranks, started side by side, or ``in_turn``: the engines
+    first (each has measured the free memory and taken its share once it is ready), then the learner."""
+    if in_turn:
+        return await actors, await learner
+    return tuple(await asyncio.gather(actors, learner))
+
+
 async def assemble(
     cfg: TandemConfig,
     plan: Plan,
@@ -132,11 +147,12 @@ async def assemble(
     prompt_queue = build_queue("ray", "prompt", maxsize=P * (k + 1), actor_options=on_this_node())
     results_queue = build_queue("ray", "results", maxsize=P * (k + 2), actor_options=on_this_node())
     scheduling = reserve(plan.kinds, cfg.resources.strategy, cfg.resources.placement_timeout_s)
-    actors, learner = await asyncio.gather(
+    actors, learner = await start_processes(
         _timed(run, "actors", build_generation_actors(cfg, plan, model_path, run, scheduling)),
         _timed(run, "learner", build_learner_group(cfg, plan, model_path, run, scheduling)),
+        in_turn=engines_measure_shared_gpus(cfg),
     )
-    run.mark("processes")  # the generation actors and the learner ranks started side by side
+    run.mark("processes")
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))
     if resume:
         await learner.load_checkpoint(str(resume.path))
