@@ -10,7 +10,7 @@ tandem example tools [key=value ...]          warm-start a tiny tool-calling mod
 tandem tiny-model DIR [--chat]                build the tiny test model + tokenizer in DIR (--chat: byte-level, ChatML)
 tandem check-data --config F [-n N] [k=v]     show N prompts as the sampler gets them, their gold/wrong rewards
 tandem config-reference                       print every config key (Markdown)
-tandem plan --config F [--address ADDR]       print the placement (checked against a cluster)
+tandem plan --config F [--address ADDR]       print the placement (checked against a cluster) and GPU memory
 tandem submit --config F --address ADDR       run training as a Ray job on a running cluster
 tandem slurm --config F --nodes N ...         print an sbatch script (Ray over the allocation, then train)
 tandem k8s --config F --image IMG ...         print a KubeRay RayJob manifest
@@ -79,8 +79,15 @@ def _render_launcher(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_plan(config_path: str | list[str], overrides: list[str], address: str | None) -> int:
-    """``tandem plan``: the placement, checked against a running cluster when ``--address`` is given."""
+def show_plan(
+    config_path: str | list[str],
+    overrides: list[str],
+    address: str | None,
+    gpu_gib: float = 80.0,
+    model_shape: str | None = None,
+) -> int:
+    """``tandem plan``: the placement (checked against a running cluster when ``--address`` is given), then
+    each GPU's memory on devices of ``gpu_gib`` GiB; a GPU over it is refused in one line (rc 2)."""
     from cluster.placement import check_fits, describe_plan, local_ray_cpus
     from launch.plan import build_plan
 
@@ -92,7 +99,7 @@ def show_plan(config_path: str | list[str], overrides: list[str], address: str |
         print(describe_plan(kinds, strategy))
         cpus = local_ray_cpus(kinds, cfg.resources.local_num_cpus)
         print(f"local Ray would advertise {cpus} CPUs (pass --address to check a cluster)")
-        return 0
+        return _show_memory(cfg, gpu_gib, model_shape)
     import ray
 
     ray.init(address=address, log_to_driver=False)
@@ -102,6 +109,25 @@ def show_plan(config_path: str | list[str], overrides: list[str], address: str |
         print("fits: the cluster's totals cover the plan (Ray still places each bundle on one node)")
     finally:
         ray.shutdown()
+    return _show_memory(cfg, gpu_gib, model_shape)
+
+
+def _show_memory(cfg, gpu_gib: float, given: str | None) -> int:
+    """The memory table under the placement (runs with GPUs only); ``MemoryPlanError`` when a GPU is over."""
+    from cluster.memory import GIB, render
+    from launch.plan import check_memory, dense_attention, memory_plan, model_shape, shm_note
+
+    if not (cfg.resources.learner.num_gpus or cfg.resources.actors.num_gpus):
+        return 0
+    shape = model_shape(cfg, given)
+    if shape is None:
+        print(f"memory: the shape of {cfg.model.path} is unknown here; pass --model-shape 1.5B (0.5B, 3B, 7B) or DIR")
+        return 0
+    device, dense = int(gpu_gib * GIB), dense_attention(cfg)
+    print(render(memory_plan(cfg, shape, device, dense)[0], device))
+    if note := shm_note(cfg, shape):
+        print(note)
+    check_memory(cfg, shape, device, dense)
     return 0
 
 
@@ -109,6 +135,12 @@ def _add_launchers(sub) -> None:
     pl = sub.add_parser("plan", help="print the placement without running it")
     pl.add_argument("--config", action="append", required=True, help="YAML config (several merge in order)")
     pl.add_argument("--address", help="check against this running Ray cluster")
+    pl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
+    pl.add_argument(
+        "--model-shape",
+        help="the model's shape: a Qwen2.5 size (0.5B, 1.5B, 3B, 7B) or a folder with "
+        "config.json (default: model.path's)",
+    )
     pl.add_argument("overrides", nargs="*", help="config overrides, key=value")
     sl = sub.add_parser("slurm", help="print an sbatch script: Ray over the allocation, then tandem train")
     sl.add_argument("--config", required=True, help="YAML config (readable on the first node)")
@@ -244,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config_reference())
             return 0
         if args.command == "plan":
-            return show_plan(args.config, args.overrides, args.address)
+            return show_plan(args.config, args.overrides, args.address, args.gpu_memory_gib, args.model_shape)
         if args.command in ("slurm", "k8s"):
             return _render_launcher(args)
         if args.command == "submit":

@@ -7,12 +7,36 @@ learner ranks and add no process). Each kind carries the environment its role ne
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
 
 from actors.environment import actor_env, reward_model_env
+from cluster.memory import (
+    CUDA_CONTEXT,
+    SLEEPING_ENGINE,
+    EngineShare,
+    Gpu,
+    MemoryPlanError,
+    ModelShape,
+    Term,
+    activation_bytes,
+    chunk_bytes,
+    engine_share,
+    gib,
+    known_shape,
+    layer_activation_bytes,
+    logits_bytes,
+    over,
+    shape_of,
+    training_state,
+)
 from cluster.placement import ProcessKind
 from launch.config import TandemConfig
+from learner.attention import select_attention
 from learner.environment import rank_env
 
 
@@ -87,3 +111,172 @@ def reward_model_environment(kind: ProcessKind) -> dict[str, str]:
 
 def rank_environment(kind: ProcessKind) -> dict[str, str]:
     return rank_env(kind.num_cpus, kind.num_gpus)
+
+
+# --- the memory plan (cluster/memory.py's arithmetic, placed by the run's roles) ----------------------
+
+
+def model_shape(cfg: TandemConfig, given: str | None = None) -> ModelShape | None:
+    """The shape to plan with: ``given`` (``tandem plan --model-shape``: a Qwen2.5 size such as 7B, or a
+    folder with a config.json), else model.path's config.json, else a Qwen2.5 hub id's size; None if unknown."""
+    for source in filter(None, (given, cfg.model.path)):
+        config = Path(source) / "config.json"
+        if config.is_file():
+            tree = json.loads(config.read_text())
+            return shape_of(SimpleNamespace(**tree.get("text_config", tree)))
+        if (shape := known_shape(source)) is not None:
+            return shape
+    return None
+
+
+def dense_attention(cfg: TandemConfig, flash_attn: bool | None = None) -> bool:
+    """The learner's kernel on a GPU needs a dense mask: every choice but flash_attention_2, which ``auto``
+    picks only with flash_attn importable (``learner/attention.py``; ``flash_attn`` None: look here)."""
+    if flash_attn is None:
+        flash_attn = importlib.util.find_spec("flash_attn") is not None
+    try:
+        return not select_attention(cfg.learner.attention, True, flash_attn, cfg.model.dtype).varlen
+    except ValueError:  # flash_attention_2 forced where it cannot run: the rank refuses it; plan as asked
+        return False
+
+
+def _learner_terms(cfg: TandemConfig, shape: ModelShape, dense: bool) -> tuple[list[Term], list[Term], list[Term]]:
+    """Learner rank 0's GPU: what stays, what the backward adds, what the optimizer step adds."""
+    learner, ranks, b = cfg.learner, cfg.resources.learner.ranks, _bytes(cfg)
+    st = training_state(_trained(cfg, shape), shape.params, learner.zero_stage, ranks, b)
+    zero = "learner.zero_stage" if learner.zero_stage < 3 else "resources.learner.ranks"
+    p = "learner rank"
+    stays = [Term(p, "weights", st["weights"], zero), Term(p, "gradients", st["gradients"], zero),
+             Term(p, "optimizer (fp32 master + AdamW moments)", st["optimizer"], zero),
+             Term(p, "DeepSpeed buckets", st["reduce bucket"]), Term(p, "CUDA context", CUDA_CONTEXT)]  # fmt: skip
+    res = cfg.resources
+    if cfg.has_reference and res.reference.placement == "colocated":
+        stays.append(Term("reference", "weights", shape.params * b, "resources.reference.placement=separate"))
+    if cfg.has_critic and res.critic.placement == "colocated":
+        value = shape.params - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
+        cs = training_state(value, value, learner.zero_stage, ranks, b)
+        knob = "resources.critic.placement=separate"
+        stays += [Term("critic", k, cs[k], knob) for k in ("weights", "gradients", "optimizer", "reduce bucket")]
+    if cfg.weights.backend == "distributed" and cfg.weights.process_group == "nccl":
+        stays.append(
+            Term(p, "weight channel pack ring (2 buckets)", 2 * cfg.weights.bucket_mb << 20, "weights.bucket_mb")
+        )
+    tokens = max(learner.token_budget, cfg.engine.max_model_len)  # a longer sequence is a micro-batch of its own
+    sdpa = dense and learner.attention != "eager"
+    fix_kernel = "learner.attention (flash_attention_2, pip install flash-attn)"
+    backward = [
+        Term(p, f"activations ({tokens} tokens{', checkpointed' if learner.gradient_checkpointing else ''})",
+             activation_bytes(shape, tokens, b, learner.gradient_checkpointing, sdpa),
+             "learner.token_budget" if learner.gradient_checkpointing else "learner.gradient_checkpointing"),
+        Term(p, "backward work (one layer)", tokens * layer_activation_bytes(shape, b, sdpa), "learner.token_budget"),
+        Term(p, "logits and their gradient", logits_bytes(shape.vocab, tokens, b), "learner.token_budget"),
+        Term(p, "logits chunk (fp32)", chunk_bytes(shape.vocab, learner.logprob_chunk_tokens or tokens),
+             "learner.logprob_chunk_tokens"),
+    ]  # fmt: skip
+    if dense:
+        backward.append(Term(p, "attention mask of the micro-batch", _mask_bytes(cfg, tokens, b), fix_kernel))
+    step = [Term(p, "fp32 gradients at the step", st["step"], zero)]
+    return stays, backward, step
+
+
+def _trained(cfg: TandemConfig, shape: ModelShape) -> int:
+    """Psi: the policy's trained parameters (all, or LoRA's adapters)."""
+    lora = cfg.learner.lora
+    return shape.lora_params(lora.rank, lora.target_modules) if lora else shape.params
+
+
+def _bytes(cfg: TandemConfig) -> int:
+    return 2 if cfg.model.dtype == "bfloat16" else 4
+
+
+def _mask_bytes(cfg: TandemConfig, tokens: int, b: int) -> int:
+    """The running micro-batch's [R, 1, Lr, Lr] mask, its sequences at engine.max_model_len: R Lr^2, bool for
+    sdpa, the compute dtype for eager (``learner/packing.py`` assign_rows: rows of the longest sequence, or of
+    learner.pack_row_tokens; ``learner/rank_batch.py`` packs one micro-batch at a time)."""
+    longest, row = cfg.engine.max_model_len, cfg.learner.pack_row_tokens
+    width = longest if row is None else max(row or tokens, longest)
+    rows = math.ceil(max(tokens // longest, 1) * longest / width)
+    return rows * width * width * (b if cfg.learner.attention == "eager" else 1)
+
+
+def _engine_terms(cfg: TandemConfig, shape: ModelShape, device: int) -> tuple[list[Term], EngineShare]:
+    eng, tp = cfg.engine, cfg.resources.actors.tensor_parallel
+    share = engine_share(shape, device, eng.gpu_memory_utilization, _bytes(cfg), tp, eng.enforce_eager)
+    u = f"engine.gpu_memory_utilization ({eng.gpu_memory_utilization:g})"
+    terms = [Term("actor", "vLLM weights", share.weights, u), Term("actor", "vLLM profile peak", share.profile, u),
+             Term("actor", "vLLM CUDA graphs", share.graphs, u),
+             Term("actor", "vLLM KV cache (the rest of its share)", max(share.kv_cache, 0), u)]  # fmt: skip
+    return terms, share
+
+
+def memory_plan(cfg: TandemConfig, shape: ModelShape, device: int, dense: bool) -> tuple[list[Gpu], list[str]]:
+    """Each kind of GPU of the run (learner rank 0's, actor 0's first) with its phases, and the KV-cache
+    problems (an engine whose share leaves no room for one engine.max_model_len sequence)."""
+    res, problems, gpus = cfg.resources, [], []
+    stays, backward, step = _learner_terms(cfg, shape, dense)
+    engines, share = _engine_terms(cfg, shape, device)
+    need = cfg.engine.max_model_len * shape.kv_bytes_per_token(_bytes(cfg), res.actors.tensor_parallel)
+    if res.actors.num_gpus and share.kv_cache < need:
+        problems.append(
+            f"vLLM's share of a GPU (engine.gpu_memory_utilization = {cfg.engine.gpu_memory_utilization:g} of "
+            f"{gib(device)} GiB) leaves {gib(max(share.kv_cache, 0))} GiB of KV cache, less than one "
+            f"engine.max_model_len = {cfg.engine.max_model_len} sequence needs ({gib(need)} GiB): raise "
+            "engine.gpu_memory_utilization"
+        )
+    nccl = cfg.weights.backend == "distributed" and cfg.weights.process_group == "nccl"
+    receive = [Term("actor", "weight channel receive buffers (whole model)", shape.params * _bytes(cfg),
+                    "weights.backend=ray")] if nccl else []  # fmt: skip
+    if cfg.run.schedule == "colocated" and res.learner.num_gpus:
+        per_gpu = math.ceil(res.actors.count / res.learner.ranks)
+        asleep = [Term("actor", f"{per_gpu} engine(s) asleep (level 1)", per_gpu * SLEEPING_ENGINE)]
+        awake = [Term(t.process, f"{t.name} x {per_gpu}" if per_gpu > 1 else t.name, t.bytes * per_gpu, t.knob)
+                 for t in engines + receive]  # fmt: skip
+        lora = cfg.learner.lora
+        kept = [t for t in stays if t.process == "reference" or t.name in ("DeepSpeed buckets", "CUDA context")]
+        if lora:  # DeepSpeed's ZeRO-1/2 offload moves the trained groups only: the frozen base stays (review B7)
+            frozen = (shape.params - _trained(cfg, shape)) * _bytes(cfg)
+            kept.append(Term("learner rank", "frozen LoRA base (not offloaded)", frozen, "learner.lora"))
+        init = [t for t in stays if t.name in ("weights", "CUDA context") or t.process == "reference"]
+        master = 4 * _trained(cfg, shape) // res.learner.ranks  # ZeRO 1-3 (the config refuses 0 colocated on GPUs)
+        init.append(Term("learner rank", "fp32 master weights", master))
+        gpus.append(
+            Gpu(
+                "GPU of learner rank 0 and its engines (colocated)",
+                {
+                    "training": stays + backward + asleep,
+                    "at the optimizer step": stays + step + asleep,
+                    "generating": awake + kept,
+                    "starting (engines profile while the learner builds)": awake + init,
+                },
+            )
+        )
+        return gpus, problems
+    if res.learner.num_gpus:
+        gpus.append(Gpu("GPU of learner rank 0", {"training": stays + backward, "at the optimizer step": stays + step}))
+    if res.actors.num_gpus:
+        gpus.append(Gpu("first GPU of actor 0", {"generating": engines + receive}))
+    return gpus, problems
+
+
+def check_memory(cfg: TandemConfig, shape: ModelShape, device: int, dense: bool) -> list[Gpu]:
+    """``memory_plan``, raising ``MemoryPlanError`` (one line, the knob to turn) when a GPU does not fit."""
+    gpus, problems = memory_plan(cfg, shape, device, dense)
+    line = over(gpus, device) or (problems[0] if problems else None)
+    if line:
+        raise MemoryPlanError(line)
+    return gpus
+
+
+def shm_note(cfg: TandemConfig, shape: ModelShape) -> str | None:
+    """The host's /dev/shm an in-flight Ray channel on GPUs writes per update (review B5), or None."""
+    eng, res = cfg.engine, cfg.resources
+    if not (cfg.weights.backend == "ray" and cfg.rollout.weight_update == "inflight" and res.actors.num_gpus):
+        return None
+    if eng.weight_transfer == "bytes":
+        return None
+    each = shape.params * _bytes(cfg)
+    return (
+        f"host /dev/shm: {gib(each)} GiB per actor per update ({res.actors.count} actors: "
+        f"{gib(each * res.actors.count)} GiB, beside Ray's object store); a container needs --shm-size above that, "
+        "or engine.weight_transfer=bytes"
+    )

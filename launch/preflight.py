@@ -43,6 +43,7 @@ def preflight(
     back to raw text is said in one line. ``tools``: the environment's, when its start-up check ran already."""
     check_output_dir(cfg.run.output_dir)
     check_context_length(cfg.engine.max_model_len, model_path)
+    check_gpu_memory(cfg, model_path)
     check_answers(cfg.reward, cfg.data, rows)
     renderer = load_renderer(model_path, cfg.data)
     note = renderer.fallback_note() if renderer is not None else None
@@ -203,6 +204,49 @@ def model_max_positions(model_path: str) -> int | None:
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("linear", "dynamic"):
         positions = int(positions * float(rope.get("factor") or 1.0))
     return positions
+
+
+def local_gpu_bytes() -> int | None:
+    """The smallest GPU of this machine, in bytes, from ``nvidia-smi`` (no CUDA context in the driver); None
+    without one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout  # fmt: skip
+        return min(int(float(x)) for x in out.split()) << 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def check_gpu_memory(cfg: TandemConfig, model_path: str, device: int | None = None) -> None:
+    """A run with GPUs: each GPU's predicted peak (``tandem plan``'s memory table, ``cluster/memory.py``) must fit
+    the device: this machine's GPU, else (a driver without one) 80 GiB, and then only a warning line."""
+    res = cfg.resources
+    if not (res.learner.num_gpus or res.actors.num_gpus):
+        return
+    from cluster.memory import GIB, MemoryPlanError, shape_of
+    from launch.plan import check_memory, dense_attention, model_shape
+
+    try:
+        from transformers import AutoConfig
+
+        shape = shape_of(AutoConfig.from_pretrained(model_path, local_files_only=True))
+    except (OSError, ValueError, KeyError, AttributeError):
+        shape = model_shape(cfg, model_path)
+    if shape is None:
+        return
+    device = device or local_gpu_bytes()
+    try:
+        check_memory(cfg, shape, device or 80 * GIB, dense_attention(cfg))
+    except MemoryPlanError as exc:
+        if device is None:
+            print(f"tandem: warning: {exc} (80 GiB GPUs assumed: this machine has none to ask)", file=sys.stderr)
+            return
+        raise PreflightError(f"{exc} (tandem plan prints the table)") from None
 
 
 def check_context_length(max_model_len: int, model_path: str) -> None:

@@ -1,0 +1,207 @@
+"""The memory plan (``cluster/memory.py``, ``launch/plan.py``): its arithmetic against the same tensors
+measured on the CPU, the recipes at 80 GiB, and the one-line refusals of ``tandem plan`` and ``tandem train``.
+
+Parameters, AdamW's states and LoRA's adapters are counted on meta tensors of the real shapes (0.5B, 7B):
+exact. Activations are counted on a tiny real Qwen2 (a shape other than the one the coefficients were
+read from) as the unique storages autograd saves (``saved_tensors_hooks``), on the CPU's sdpa: within 2%
+(the coefficients are per element; what is left is the few scalars autograd also saves). A GPU kernel
+saves what flash-attention saves (q, k, v, out, lse: the same terms) or, sdpa with a dense mask, k and v
+repeated to every query head (the plan's k' = a); that difference is not measured here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.memory import (
+    GIB,
+    KNOWN_SHAPES,
+    MemoryPlanError,
+    ModelShape,
+    activation_bytes,
+    chunk_bytes,
+    known_shape,
+    layer_activation_bytes,
+    logits_bytes,
+    shape_of,
+    training_state,
+)
+from launch.cli import main
+from launch.config import load_config
+from launch.plan import check_memory, dense_attention, memory_plan, model_shape
+from launch.preflight import PreflightError, check_gpu_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+
+
+def _hf_config(s: ModelShape):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
+        tie_word_embeddings=s.tied,
+    )  # fmt: skip
+
+
+def _meta_model(s: ModelShape):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_hf_config(s), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("size", ["0.5B", "7B"])
+def test_parameters_and_adamw_states_are_the_meta_models_bytes(size):
+    s = KNOWN_SHAPES[size]
+    model = _meta_model(s)
+    phi = sum(p.numel() for p in model.parameters())
+    assert s.params == phi == {"0.5B": 494_032_768, "7B": 7_615_616_512}[size]  # Qwen2.5's published counts
+    assert shape_of(_hf_config(s)) == s
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()  # creates exp_avg and exp_avg_sq, fp32 like the master weights they update
+    moments = sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values() if v.ndim)
+    master = sum(p.numel() * p.element_size() for p in model.parameters())  # DeepSpeed's fp32 copy
+    one = training_state(phi, phi, zero=1, ranks=1, b=2)
+    assert one["optimizer"] == master + moments == 12 * phi
+    assert one["weights"] == one["gradients"] == 2 * phi  # the bf16 module and its gradients
+    # ZeRO-2 over 4 ranks: 0.5B -> 12 x 494,032,768 / 4 = 1,482,098,304 bytes of optimizer per rank
+    if size == "0.5B":
+        assert training_state(phi, phi, zero=2, ranks=4, b=2)["optimizer"] == 1_482_098_304
+        assert training_state(phi, phi, zero=2, ranks=4, b=2)["gradients"] == 2 * phi // 4
+
+
+def test_lora_adapters_are_the_peft_models_trained_parameters():
+    from peft import LoraConfig, get_peft_model
+
+    s = KNOWN_SHAPES["0.5B"]
+    peft = get_peft_model(_meta_model(s), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    trained = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert s.lora_params(16, "all-linear") == trained
+    # q and v only: 24 layers x 16 x ((896 + 896) + (896 + 128)) = 1,081,344
+    assert s.lora_params(16, ["q_proj", "v_proj"]) == 1_081_344
+
+
+def _saved_bytes(s: ModelShape, tokens: int, dtype: torch.dtype, checkpointing: bool) -> int:
+    """Bytes of the unique storages autograd saves in a forward of the model's body (not its parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config(s), dtype=dtype, attn_implementation="sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, s.vocab, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=ids, position_ids=torch.arange(tokens)[None], use_cache=False)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_are_what_autograd_saves_in_a_tiny_qwen2(dtype, checkpointing):
+    s = ModelShape(vocab=300, hidden=96, layers=3, heads=6, kv_heads=2, head_dim=16, intermediate=224, tied=True)
+    b = 2 if dtype == torch.bfloat16 else 4
+    measured = _saved_bytes(s, 320, dtype, checkpointing)
+    predicted = activation_bytes(s, 320, b, checkpointing)
+    if checkpointing:  # the forward keeps each layer's input; the one layer recomputed is the backward's, and the
+        # RoPE cos/sin reach the checkpointed layers as inputs (held, but not through autograd's hooks)
+        predicted -= 320 * (layer_activation_bytes(s, b) + 2 * b * s.head_dim)
+    assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
+
+
+def test_the_logits_kv_and_chunk_terms_by_hand():
+    s = KNOWN_SHAPES["1.5B"]
+    assert s.kv_bytes_per_token(2) == 28_672  # 2 x 28 layers x 2 kv heads x 128 x 2 B: the DAPO recipe's "28 KB"
+    assert KNOWN_SHAPES["7B"].kv_bytes_per_token(2, tensor_parallel=2) == 28_672  # 2 x 28 x 4 x 128 x 2 / 2
+    assert logits_bytes(151_936, 32_768, 2) == 19_914_555_392  # 2 x 32768 x 151936 x 2 B: logits and gradient
+    assert chunk_bytes(151_936, 1024) == 2_489_319_424  # 4 x 1024 x 151936 x 4 B
+    assert known_shape("Qwen/Qwen2.5-1.5B-Instruct") == s and known_shape("gpt2") is None
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_fits_80_gib_gpus_with_or_without_flash_attn(recipe):
+    """docs/clusters.md's "Memory plan" table: every recipe's GPUs fit 80 GiB, whichever kernel the rank runs."""
+    cfg = load_config(recipe)
+    shape = model_shape(cfg)
+    assert shape == KNOWN_SHAPES["1.5B"]
+    for flash in (False, True):
+        check_memory(cfg, shape, 80 * GIB, dense_attention(cfg, flash_attn=flash))
+
+
+def test_a_plan_over_the_device_names_its_largest_part_and_the_knob():
+    cfg = load_config(ROOT / "configs/recipes/gsm8k-grpo-1node.yaml", ["learner.token_budget=32768"])
+    # 32768 tokens x 28 layers x 103,480 B per token and layer (no checkpointing) = 88.4 GiB, + 0.3 outside the layers
+    with pytest.raises(MemoryPlanError, match=r"activations \(32768 tokens\) \(88.7 GiB\): turn learner.gradient_ch"):
+        check_memory(cfg, KNOWN_SHAPES["1.5B"], 80 * GIB, dense_attention(cfg, flash_attn=True))
+    on = load_config(
+        ROOT / "configs/recipes/gsm8k-grpo-1node.yaml",
+        ["learner.token_budget=32768", "learner.gradient_checkpointing=true"],
+    )
+    check_memory(on, KNOWN_SHAPES["1.5B"], 80 * GIB, dense_attention(on, flash_attn=False))  # the fix named fits
+
+
+def test_tandem_plan_prints_the_table_and_refuses_in_one_line(capsys):
+    recipe = str(ROOT / "configs/recipes/math-grpo-1node.yaml")
+    assert main(["plan", "--config", recipe]) == 0
+    out = capsys.readouterr().out
+    assert "GPU of learner rank 0, peak while training" in out and "vLLM KV cache" in out
+    assert main(["plan", "--config", recipe, "--gpu-memory-gib", "40", "learner.attention=flash_attention_2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than the device's 40.0 GiB" in err[0] and "turn learner." in err[0]
+
+
+def test_an_engine_share_without_room_for_one_sequence_is_refused():
+    cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", ["engine.gpu_memory_utilization=0.07"])
+    # 0.07 x 80 GiB = 5.6 GiB less weights 2.88, profile 0.95 and graphs 1.0 leaves 0.77 GiB of KV cache, more
+    # than one 4096-token sequence's 4096 x 28,672 B = 0.11 GiB; at 0.06 (4.8 GiB) nothing is left
+    check_memory(cfg, KNOWN_SHAPES["1.5B"], 80 * GIB, False)
+    cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", ["engine.gpu_memory_utilization=0.06"])
+    with pytest.raises(MemoryPlanError, match="raise engine.gpu_memory_utilization"):
+        check_memory(cfg, KNOWN_SHAPES["1.5B"], 80 * GIB, False)
+
+
+def test_colocated_gpus_hold_the_engines_with_what_the_learner_cannot_offload():
+    cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", [
+        "run.schedule=colocated", "learner.zero_stage=1", "engine.gpu_memory_utilization=0.4", "learner.lora.rank=16",
+        "learner.attention=flash_attention_2"])  # fmt: skip
+    s = KNOWN_SHAPES["1.5B"]
+    (gpu,), _ = memory_plan(cfg, s, 80 * GIB, dense=False)
+    generating = {t.name: t.bytes for t in gpu.phases["generating"]}
+    # the frozen base stays under ZeRO-1 (review B7): (1,543,714,304 - 18,464,768 adapters) x 2 B
+    assert s.lora_params(16, "all-linear") == 18_464_768
+    assert generating["frozen LoRA base (not offloaded)"] == (1_543_714_304 - 18_464_768) * 2
+    assert generating["weights"] == 1_543_714_304 * 2  # the colocated reference model stays too
+    assert sum(v for k, v in generating.items() if k.startswith("vLLM")) == int(0.4 * 80 * GIB)
+    assert "starting (engines profile while the learner builds)" in gpu.phases  # review B1
+
+
+def test_train_stops_before_anything_starts_when_a_gpu_cannot_hold_the_plan(tmp_path):
+    cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", ["learner.attention=flash_attention_2"])
+    with pytest.raises(PreflightError, match="more than the device's 40.0 GiB"):
+        check_gpu_memory(cfg, "Qwen/Qwen2.5-1.5B-Instruct", device=40 * GIB)
+    check_gpu_memory(cfg, "Qwen/Qwen2.5-1.5B-Instruct", device=80 * GIB)
+    cpu = load_config(ROOT / "configs/demo.yaml")  # no GPUs: nothing to check, whatever the device
+    check_gpu_memory(cpu, cpu.model.path, device=1)
+
+
+def test_a_local_model_folder_gives_its_own_shape(tmp_path):
+    (tmp_path / "config.json").write_text(_hf_config(KNOWN_SHAPES["0.5B"]).to_json_string())
+    cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", [f"model.path={tmp_path}"])
+    assert model_shape(cfg) == KNOWN_SHAPES["0.5B"]
+    assert model_shape(cfg, "7B") == KNOWN_SHAPES["7B"]
