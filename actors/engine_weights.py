@@ -1,14 +1,15 @@
 """How the in-flight actor hands new weights to its vLLM engine (``engine.weight_transfer``).
 
 The async engine's core runs in a process of its own; ``collective_rpc`` arguments reach it
-msgpack-encoded, so tensors cannot pass as they are. Two ways across, chosen once per actor:
+msgpack-encoded, so tensors cannot pass as they are. Two ways across, chosen per update:
 
 - ``bytes``: the whole model as safetensors bytes, copied into the message every update. Any
   machine; the default on the CPU, where the engine's process may have little shared memory.
 - ``shared``: handles to the tensors' memory, a few hundred bytes per tensor
   (``torch.multiprocessing``'s reductions): CUDA IPC for tensors on a GPU (the engine reads the
   actor's memory; nothing is copied), shared memory for tensors on the CPU (one copy into
-  ``/dev/shm``, none through the message). The default with a GPU.
+  ``/dev/shm``, none through the message). The default with a GPU, for each update whose host
+  tensors fit ``/dev/shm`` twice over (a container's is 64 MB unless it is given more).
 
 The engine's worker (``actors/vllm_worker.py``) rebuilds the tensors and loads them in place; the
 actor keeps its tensors alive until that call has returned.
@@ -16,6 +17,7 @@ actor keeps its tensors alive until that call has returned.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,13 +54,75 @@ class EngineTransfer:
     pack: Callable[[list], tuple[bytes, list]]
     method: str
 
+    def for_weights(self, named_tensors: list) -> EngineTransfer:
+        """The transfer of this update (a fixed one: itself)."""
+        return self
+
 
 ENGINE_TRANSFERS = {
     "bytes": EngineTransfer(weights_to_bytes, "load_weights_blob"),
     "shared": EngineTransfer(weights_to_handles, "load_weights_shared"),
 }
+SHM = "/dev/shm"
+SHM_MARGIN = 2  # free /dev/shm an update of host tensors needs, in updates (Ray's object store lives there too)
 
 
-def engine_transfer(setting: str, cuda: bool) -> EngineTransfer:
-    """The transfer for ``engine.weight_transfer`` (``auto``: shared with a GPU, bytes without)."""
-    return ENGINE_TRANSFERS[("shared" if cuda else "bytes") if setting == "auto" else setting]
+def shm_shortfall(named_tensors: list, free: Callable[[], int]) -> str | None:
+    """Why handles would not fit, or None: host tensors are copied into ``/dev/shm`` files (a
+    container's is 64 MB by default: SIGBUS or 'unable to write' mid-update); GPU tensors are not."""
+    need = sum(t.numel() * t.element_size() for _, t in named_tensors if not t.is_cuda)
+    have = free() if need else 0
+    if need * SHM_MARGIN <= have:
+        return None
+    return (
+        f"{SHM} has {have / 2**30:.2f} GiB free and an update of host tensors writes {need / 2**30:.2f} GiB there "
+        f"(x{SHM_MARGIN} needed); give the container more shared memory (docker run --shm-size, a Kubernetes "
+        "emptyDir with medium: Memory)"
+    )
+
+
+def shm_free() -> int:
+    import shutil
+
+    return shutil.disk_usage(SHM).free if os.path.isdir(SHM) else 0
+
+
+@dataclass
+class CheckedShared:
+    """``shared`` asked for by name: an update whose host tensors cannot fit ``/dev/shm`` raises
+    (one line) instead of dying of SIGBUS in the middle of a copy."""
+
+    free: Callable[[], int] = shm_free
+
+    def for_weights(self, named_tensors: list) -> EngineTransfer:
+        short = shm_shortfall(named_tensors, self.free)
+        if short:
+            raise RuntimeError(f"engine.weight_transfer = shared: {short}, or set engine.weight_transfer=bytes")
+        return ENGINE_TRANSFERS["shared"]
+
+
+@dataclass
+class SharedIfRoom:
+    """``auto`` with a GPU: handles, unless the update's host tensors (the Ray channel's) do not fit
+    ``/dev/shm``; then bytes, said once (``say``)."""
+
+    say: Callable[[str], None]
+    free: Callable[[], int] = shm_free
+    said: bool = False
+
+    def for_weights(self, named_tensors: list) -> EngineTransfer:
+        short = shm_shortfall(named_tensors, self.free)
+        if short is None:
+            return ENGINE_TRANSFERS["shared"]
+        if not self.said:
+            self.said = True
+            self.say(f"weights reach the engine as bytes (a copy per update, slower): {short}")
+        return ENGINE_TRANSFERS["bytes"]
+
+
+def engine_transfer(setting: str, cuda: bool, say: Callable[[str], None] = print):
+    """The transfer for ``engine.weight_transfer`` (``auto``: shared with a GPU when ``/dev/shm``
+    has room for the update's host tensors, bytes without a GPU); ``for_weights`` picks each update's."""
+    if setting == "auto":
+        return SharedIfRoom(say) if cuda else ENGINE_TRANSFERS["bytes"]
+    return CheckedShared() if setting == "shared" else ENGINE_TRANSFERS[setting]

@@ -25,7 +25,17 @@ from actors.engine_weights import engine_transfer
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
 from actors.sleep import Turns, check_sleep_mode, sleep_kwargs
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, sampling_params, turn_params
+from actors.spec import (
+    REPORT_TIMEOUT_S,
+    ActorSpec,
+    ActorTimeouts,
+    EngineChoices,
+    engine_choices,
+    engine_kwargs,
+    engine_prompt,
+    sampling_params,
+    turn_params,
+)
 from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
 from cluster.timeline import Spans
 from queues.bounded import QueueClosed
@@ -53,6 +63,14 @@ class InFlight:
         self.tokenizer = self.llm.tokenizer
         self.tensor_parallel = self.llm.vllm_config.parallel_config.tensor_parallel_size
         self.transfer = engine_transfer(self.spec.engine.weight_transfer, _cuda())
+
+    async def choices(self) -> EngineChoices:
+        """What vLLM chose at start (the ready line): its config, and the first worker's report."""
+        try:
+            worker = (await self.llm.collective_rpc("engine_report", timeout=REPORT_TIMEOUT_S))[0]
+        except Exception:  # noqa: BLE001 - the report says "unknown"; the engine is up either way
+            worker = None
+        return engine_choices(self.llm.vllm_config, worker)
 
     # --- sampling -----------------------------------------------------------------------
     async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:
@@ -141,11 +159,12 @@ class InFlight:
             self.spans.add("load_weights", wall, time.time(), version)
             return version
         start = time.monotonic()
-        packed, keep = self.transfer.pack(named_tensors)  # `keep`: what the handles point at
+        transfer = self.transfer.for_weights(named_tensors)
+        packed, keep = transfer.pack(named_tensors)  # `keep`: what the handles point at
         if not asleep:
             await self.llm.pause_generation(mode=mode, clear_cache=True)
         try:
-            await self.llm.collective_rpc(self.transfer.method, args=(packed,))
+            await self.llm.collective_rpc(transfer.method, args=(packed,))
             if not asleep:
                 await self.llm.reset_prefix_cache()
             # while paused: the engine labels every token it samples from now on with this version
