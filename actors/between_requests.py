@@ -23,7 +23,17 @@ from actors.adapters import Adapters, lora_kwargs
 from actors.policy_clock import PolicyClock
 from actors.rollout import Completion
 from actors.sleep import Turns, check_sleep_mode
-from actors.spec import ActorSpec, ActorTimeouts, engine_kwargs, engine_prompt, request_params, turn_params
+from actors.spec import (
+    REPORT_TIMEOUT_S,
+    ActorSpec,
+    ActorTimeouts,
+    EngineChoices,
+    engine_choices,
+    engine_kwargs,
+    engine_prompt,
+    request_params,
+    turn_params,
+)
 from cluster.channel import WeightReceiver
 from cluster.timeline import Spans
 from queues.bounded import QueueClosed
@@ -67,6 +77,14 @@ class BetweenRequests:
             self.llm = await self.on_engine(_build_llm, self.spec)
         self.tokenizer = self.llm.get_tokenizer()
         self.tensor_parallel = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+    async def choices(self) -> EngineChoices:
+        """What vLLM chose at start (the ready line): its config, and the first worker's report."""
+        try:
+            worker = (await self.on_engine(self.llm.collective_rpc, "engine_report", timeout=REPORT_TIMEOUT_S))[0]
+        except Exception:  # noqa: BLE001 - the report says "unknown"; the engine is up either way
+            worker = None
+        return engine_choices(self.llm.llm_engine.vllm_config, worker)
 
     # --- sampling -----------------------------------------------------------------------
     async def complete(self, request: PromptRequest) -> tuple[list[int], list[Completion]]:

@@ -25,7 +25,7 @@ from actors.policy_clock import PolicyClock
 from actors.reward_scorer import RewardScorer
 from actors.rollout import ROLLOUTS
 from actors.scoring import GroupBuilder
-from actors.spec import ActorSpec, ActorTimeouts, ready_report
+from actors.spec import ActorSpec, ActorTimeouts, EngineChoices, describe_choices, engine_kwargs, ready_report
 from cluster.channel import WeightReceiver
 from cluster.logs import redirect_output
 from cluster.timeline import Spans
@@ -46,6 +46,7 @@ class GenerationActor:
         self.engine = WEIGHT_UPDATES[spec.rollout.weight_update](spec, self.clock, self.spans, engine)
         self.rollout = ROLLOUTS[spec.rollout.kind](spec, self.spans)  # started with the engine, closed with the loop
         self.builder: GroupBuilder | None = None
+        self.choices: EngineChoices | None = None  # what vLLM chose at start (the ready line)
         self.serving: tuple[WeightReceiver, ActorTimeouts] | None = None  # run's channel and deadlines
         self.serving_started = asyncio.Event()
 
@@ -61,12 +62,15 @@ class GenerationActor:
             tokenizer = self.engine.tokenizer
             decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             self.builder = GroupBuilder(self.spec.name, scorer, decode, self.spec.step_delimiter)
+            self.choices = await self.engine.choices()
+            pinned = engine_kwargs(self.spec).get("async_scheduling") is False
             print(
                 f"[{self.spec.name}] engine ready (pid {os.getpid()}, {self.spec.model_path}, {self.spec.dtype}, "
-                f"tensor parallel {self.engine.tensor_parallel}, weights {self.spec.rollout.weight_update})",
+                f"tensor parallel {self.engine.tensor_parallel}, weights {self.spec.rollout.weight_update}); "
+                f"vLLM chose: {describe_choices(self.choices, pinned)}",
                 flush=True,
             )
-        return ready_report(self.spec, self.clock.version, self.engine.tensor_parallel)
+        return ready_report(self.spec, self.clock.version, self.engine.tensor_parallel, self.choices)
 
     # --- generation ----------------------------------------------------------------
     async def generate(self, requests: list[PromptRequest]) -> list[TrajectoryGroup]:

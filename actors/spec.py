@@ -5,7 +5,7 @@ parameters, the start-up report. The driver builds one ``ActorSpec`` per actor.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from actors.adapters import AdapterSpec
@@ -70,8 +70,24 @@ def engine_kwargs(spec: ActorSpec) -> dict[str, Any]:
         **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
         **(spec.adapter.engine_kwargs() if spec.adapter is not None else {}),
         **({"enable_sleep_mode": True} if spec.sleep_level else {}),
+        **proven_scheduling(spec, torch.cuda.is_available()),
         **device,
     )
+
+
+IN_FLIGHT_PROVEN = "in-flight updates are proven only without it"  # the ready line's reason for async scheduling off
+
+
+def proven_scheduling(spec: ActorSpec, cuda: bool) -> dict[str, Any]:
+    """Async scheduling off for the in-flight engine on a GPU, where vLLM would turn it on.
+
+    With async scheduling the engine keeps a batch in flight while it schedules the next; an in-flight
+    update pauses (``keep``), loads and relabels the engine's weight version, and whether a batch can
+    straddle that relabel (tokens of the old weights tagged with the new version) has never been run:
+    every in-flight run so far was on the CPU, whose platform forces async scheduling off
+    (``vllm/platforms/cpu.py``). So the proven combination is chosen, and the ready line says so.
+    Between requests nothing runs during a load, so vLLM's own choice stays."""
+    return {"async_scheduling": False} if cuda and spec.rollout.weight_update == "inflight" else {}
 
 
 MIN_PREFILL_TOKENS = 8192  # tokens per engine step on the CPU: vLLM's CPU default is 4096
@@ -151,9 +167,64 @@ def turn_params(spec: ActorSpec, request: PromptRequest, max_tokens: int, seed: 
     )
 
 
-def ready_report(spec: ActorSpec, version: int, tensor_parallel: int) -> dict[str, Any]:
-    """What ``ready()`` returns: who and where the actor is, and how vLLM really sharded it."""
+@dataclass(frozen=True)
+class EngineChoices:
+    """What vLLM chose when it started an engine, read back from it (None: this vLLM does not say)."""
+
+    async_scheduling: bool | None  # a batch scheduled while the last one runs (vLLM's default on GPUs)
+    model_runner: str | None  # "V1" or "V2" (vLLM picks V2 on GPUs where Triton runs)
+    kv_cache_bytes: int | None  # KV cache of one shard (the first worker's), in bytes
+    kv_cache_blocks: int | None  # KV cache blocks of the engine's scheduler
+    block_size: int | None  # tokens per block
+    attention: str | None  # the attention backend of the model's layers ("+"-joined if several)
+
+
+def _read(value):
+    """``value()``, or None where this vLLM has no such field or property (the ready line must not fail)."""
+    try:
+        return value()
+    except Exception:  # noqa: BLE001 - a report: an unknown value is said as such
+        return None
+
+
+REPORT_TIMEOUT_S = 60.0  # the ready line's question to the engine's workers
+
+
+def engine_choices(vllm_config, worker: dict | None) -> EngineChoices:
+    """What the engine with ``vllm_config`` chose, after start; ``worker``: the first worker's
+    ``engine_report`` (``actors/vllm_worker.py``), or None if it could not be asked."""
+    runner = _read(lambda: vllm_config.use_v2_model_runner)
+    worker = worker or {}
+    return EngineChoices(
+        async_scheduling=_read(lambda: vllm_config.scheduler_config.async_scheduling),
+        model_runner=None if runner is None else ("V2" if runner else "V1"),
+        kv_cache_bytes=worker.get("kv_cache_bytes"),
+        kv_cache_blocks=_read(lambda: vllm_config.cache_config.num_gpu_blocks),
+        block_size=_read(lambda: vllm_config.cache_config.block_size),
+        attention=worker.get("attention"),
+    )
+
+
+def describe_choices(choices: EngineChoices, pinned: bool) -> str:
+    """The ready line's part on what vLLM chose; ``pinned``: Tandem turned async scheduling off."""
+    scheduling = {True: "on", False: "off", None: "unknown"}[choices.async_scheduling]
+    if pinned and choices.async_scheduling is False:
+        scheduling += f": {IN_FLIGHT_PROVEN}"
+    kv = []
+    if choices.kv_cache_bytes is not None:
+        kv.append(f"{choices.kv_cache_bytes / 2**30:.2f} GiB per shard")
+    if choices.kv_cache_blocks is not None:
+        kv.append(f"{choices.kv_cache_blocks} blocks of {choices.block_size} tokens")
+    return (
+        f"async scheduling {scheduling}; model runner {choices.model_runner or 'unknown'}; "
+        f"KV cache {', '.join(kv) or 'unknown'}; attention {choices.attention or 'unknown'}"
+    )
+
+
+def ready_report(spec: ActorSpec, version: int, tensor_parallel: int, choices: EngineChoices) -> dict[str, Any]:
+    """What ``ready()`` returns: who and where the actor is, how vLLM really sharded it, and what it chose."""
     import ray
 
     node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-    return {"name": spec.name, "pid": os.getpid(), "version": version, "node": node, "tensor_parallel": tensor_parallel}
+    where = {"name": spec.name, "pid": os.getpid(), "version": version, "node": node}
+    return {**where, "tensor_parallel": tensor_parallel, **asdict(choices)}

@@ -31,3 +31,17 @@ class WeightReceiver:
         named = pickle.loads(blob)  # rebuilt by torch.multiprocessing's reductions; from our own actor
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         return len(named)
+
+    def engine_report(self) -> dict:
+        """What this worker runs with, for the actor's ready line: the attention backends of its layers
+        (vLLM picks them in the worker, by device and model) and the bytes its KV cache holds (the
+        allocations vLLM sized at start: ``gpu_memory_utilization`` on a GPU, ``kv_cache_memory_bytes``
+        on the CPU)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase).values()
+        backends = sorted({layer.get_attn_backend().get_name() for layer in layers})
+        kv = getattr(self.model_runner, "kv_cache_config", None)  # set when the cache is allocated
+        kv_bytes = sum(t.size for t in kv.kv_cache_tensors if not t.host_resident) if kv is not None else None
+        return {"attention": "+".join(backends) or None, "kv_cache_bytes": kv_bytes}

@@ -1,4 +1,5 @@
-"""The generation actors' loops with fake vLLM engines and in-process queues and weight channel:
+"""The generation actors' loops with stand-ins of vLLM's engines (``tests/standins.py``: built from vLLM's
+classes, so a wrong call fails) and in-process queues and weight channel:
 prompts in, scored groups out, weights loaded at the right time, the loop ended by closing the
 queues, a failing generation surfaced. The wiring, without the real stack, in seconds."""
 
@@ -15,6 +16,7 @@ from actors.spec import ActorTimeouts
 from cluster.weights import LocalWeightChannel
 from queues.bounded import LocalQueue
 from queues.messages import PromptRequest
+from tests import standins
 from tests.runs import actor_spec
 
 TIMEOUTS = ActorTimeouts(data_s=5.0, weights_s=5.0, idle_s=5.0)
@@ -29,10 +31,6 @@ class FakeTokenizer:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
 
-def _config(tp: int = 1):
-    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
-
-
 def _completion(tokens: list[int], finish: str | None):
     return SimpleNamespace(
         token_ids=tokens,
@@ -43,29 +41,27 @@ def _completion(tokens: list[int], finish: str | None):
 
 
 class FakeLLM:
-    """``vllm.LLM`` as the sync actor uses it: every completion is the one token that decodes to "5"."""
+    """``vllm.LLM`` as the sync actor uses it (``tests/standins.py``: vLLM's own class, so a wrong call fails):
+    every completion is the one token that decodes to "5". ``llm``: the engine, ``worker``: what its
+    ``collective_rpc`` reached, ``calls``: prompts per generate call; ``short``: one output too few."""
 
-    def __init__(self):
-        self.llm_engine = SimpleNamespace(vllm_config=_config())
-        self.loaded: list[float] = []  # the value of the first weight tensor of every load
-        self.cache_resets = 0
-        self.calls: list[int] = []  # prompts per generate call
+    def __init__(self, short: bool = False):
+        self.calls: list[int] = []
+        self.worker = standins.worker()
+        self.llm = standins.llm(self.worker, self.generate, FakeTokenizer())
+        self.short = short
 
-    def get_tokenizer(self):
-        return FakeTokenizer()
-
-    def generate(self, prompts, params, use_tqdm=False):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
         self.calls.append(len(prompts))
-        return [
+        outputs = [
             SimpleNamespace(prompt_token_ids=[3, 4], outputs=[_completion([DIGIT], "stop") for _ in range(p.n)])
-            for p in params
+            for p in sampling_params
         ]
+        return outputs[:-1] if self.short else outputs
 
-    def collective_rpc(self, method: str, args: tuple):
-        self.loaded.append(float(args[0][0][1][0]))
-
-    def reset_prefix_cache(self):
-        self.cache_resets += 1
+    def loaded(self) -> list[float]:
+        """The value of the first weight tensor of every load."""
+        return [float(pairs[0][1][0]) for pairs in self.worker.loads]
 
 
 def weights(value: float) -> list:
@@ -74,7 +70,7 @@ def weights(value: float) -> list:
 
 def test_between_requests_actor_loads_what_each_prompt_needs_and_stops_when_the_queues_close():
     engine = FakeLLM()
-    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=3), engine)
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=3), engine.llm)
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
     row = {"prompt": "copy 5:", "answer": "5"}
 
@@ -101,14 +97,14 @@ def test_between_requests_actor_loads_what_each_prompt_needs_and_stops_when_the_
     assert len(first.trajectories) == 3 and all(t.reward == 1.0 for t in first.trajectories)  # echo "5" -> "5"
     assert [t.policy_versions.tolist() for t in first.trajectories] == [[0]] * 3
     assert [t.policy_versions.tolist() for t in second.trajectories] == [[1]] * 3  # loaded before generating
-    assert engine.loaded == [1.0] and engine.cache_resets == 1  # once, with the published tensor
+    assert engine.loaded() == [1.0] and engine.llm.reset_prefix_cache.call_count == 1  # once, the published tensor
     assert second.weight_wait_s > 0 and first.weight_wait_s >= 0  # the wait rides on the group it delayed
     assert engine.calls == [1, 1]  # one generate call per queue call
 
 
 def test_between_requests_actor_samples_the_prompts_of_one_queue_call_in_one_generate_call():
     engine = FakeLLM()
-    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, prompts_per_request=4), engine)
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, prompts_per_request=4), engine.llm)
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
     rows = [{"prompt": f"copy {i}:", "answer": "5"} for i in range(3)]
 
@@ -127,24 +123,22 @@ def test_between_requests_actor_samples_the_prompts_of_one_queue_call_in_one_gen
 
 
 class FakeAsyncLLM:
-    """``AsyncLLM`` as the in-flight actor uses it: each request streams 6 tokens; after the third
+    """``AsyncLLM`` as the in-flight actor uses it (``tests/standins.py``: vLLM's own class; the weights cross
+    into the engine's process as vLLM's msgpack carries them): each request streams 6 tokens; after the third
     it waits until new weights are loaded, so a swap lands exactly mid-generation. Like vLLM's engine
     core it labels each token with the weight version set when it was sampled, and a finished output
     carries the labels as spans. ``late``: the first three tokens are sampled before the swap but only
     reach the actor after it (an output read late), as vLLM's output handler can deliver them."""
 
     def __init__(self, late: bool = False):
-        self.tokenizer = FakeTokenizer()
-        self.vllm_config = _config()
         self.halfway = asyncio.Event()  # a request has sampled its first half
         self.swapped = asyncio.Event()  # weights were loaded
-        self.paused, self.late = 0, late
-        self.weight_version = "default"
+        self.late = late
+        self.core = standins.EngineCore()
+        self.worker = standins.worker(on_load=lambda pairs: self.swapped.set())
+        self.llm = standins.async_llm(self.worker, self.generate, FakeTokenizer(), self.core)
 
-    async def update_weight_version(self, version: str):
-        self.weight_version = version
-
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, sampling_params, request_id, **_):
         if prompt == "boom":
             raise RuntimeError("engine failed on this prompt")
         labels, unread = [], []
@@ -152,7 +146,7 @@ class FakeAsyncLLM:
             if t == 3:
                 self.halfway.set()
                 await self.swapped.wait()
-            labels.append(self.weight_version)  # the engine's record, at sampling time
+            labels.append(self.core.weight_version)  # the engine's record, at sampling time
             last = t == 5
             unread.append(_completion([DIGIT], "length" if last else None))
             if self.late and t < 3:
@@ -164,22 +158,6 @@ class FakeAsyncLLM:
                     prompt_token_ids=[3, 4], outputs=[completion], finished=last and completion is unread[-1]
                 )
             unread = []
-
-    async def pause_generation(self, mode: str, clear_cache: bool):
-        self.paused += 1
-
-    async def resume_generation(self):
-        pass
-
-    async def collective_rpc(self, method: str, args: tuple):
-        assert method == "load_weights_blob" and isinstance(args[0], bytes)
-        self.swapped.set()
-
-    async def reset_prefix_cache(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 def _spans(labels: list[str]) -> list:
@@ -196,7 +174,7 @@ def _spans(labels: list[str]) -> list:
 async def _inflight_run(prompts_to_send: list[str], late: bool = False):
     engine = FakeAsyncLLM(late)
     spec = actor_spec("fake", None, "builtin:echo", group_size=2, weight_update="inflight")
-    actor = GenerationActor(spec, engine)
+    actor = GenerationActor(spec, engine.llm)
     await actor.ready()
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
     run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
@@ -222,7 +200,8 @@ def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token(late):
         return engine, group, stats
 
     engine, group, stats = asyncio.run(go())
-    assert engine.paused == 1 and stats.weight_loads == 1 and stats.groups == 1
+    assert engine.llm.pause_generation.await_count == 1 and stats.weight_loads == 1 and stats.groups == 1
+    assert [float(pairs[0][1][0]) for pairs in engine.worker.loads] == [1.0]  # the tensor, across msgpack as bytes
     for traj in group.trajectories:
         assert traj.policy_versions.tolist() == [0, 0, 0, 1, 1, 1]  # tokens after the swap carry version 1
         assert traj.finish_reason == "length"
@@ -258,7 +237,7 @@ def test_inflight_actor_stops_on_a_broken_weight_channel_instead_of_spinning():
     from cluster.channel import ChannelFailed
 
     async def go():
-        actor = GenerationActor(actor_spec("fake", None, "builtin:echo", weight_update="inflight"), FakeAsyncLLM())
+        actor = GenerationActor(actor_spec("fake", None, "builtin:echo", weight_update="inflight"), FakeAsyncLLM().llm)
         await actor.ready()
         prompts, results = LocalQueue("prompt", 8), LocalQueue("results", 8)
         try:
@@ -285,11 +264,7 @@ def test_inflight_actor_raises_a_failed_generation():
 
 def test_between_requests_an_engine_answer_that_cannot_be_read_fails_every_waiting_rollout():
     # the review found a short answer (fewer outputs than prompts) left the rollouts waiting for ever
-    class ShortLLM(FakeLLM):
-        def generate(self, prompts, params, use_tqdm=False):
-            return super().generate(prompts, params, use_tqdm)[:-1]
-
-    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2), ShortLLM())
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2), FakeLLM(short=True).llm)
     requests = [PromptRequest(i, {"prompt": "copy 5:", "answer": "5"}, min_version=0) for i in range(3)]
 
     async def go():
@@ -307,7 +282,8 @@ async def asleep_with_a_prompt(weight_update: str):
     engine = FakeLLM() if weight_update == "between_requests" else FakeAsyncLLM()
     if weight_update == "inflight":
         engine.swapped.set()  # no mid-generation swap here
-    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2, weight_update=weight_update), engine)
+    spec = actor_spec("fake", None, "builtin:echo", group_size=2, weight_update=weight_update)
+    actor = GenerationActor(spec, engine.llm)
     prompts, results, channel = LocalQueue("prompt", 8), LocalQueue("results", 8), LocalWeightChannel()
     await actor.ready()
     run = asyncio.create_task(actor.run(prompts, results, channel, TIMEOUTS))
@@ -353,3 +329,50 @@ def test_an_asleep_actor_holding_prompts_stops_when_the_run_ends(weight_update):
 
     report, left = asyncio.run(go())
     assert report.groups == 0 and left == 0
+
+
+# --- what vLLM chose, in the ready line (actors/spec.py) --------------------------------------------
+# The CPU engine of the tiny model with 1 GiB of KV cache (measured on the real engine): a token's KV is
+# 2 (K, V) x 2 layers x 2 KV heads x 32 dims x 4 bytes = 1024 bytes, so 2^30 bytes hold 2^20 tokens, 8192
+# blocks of 128. A 7B GPU engine (Qwen2.5-7B: 28 layers, 4 KV heads of 128 dims, bfloat16): 2 x 28 x 4 x 128
+# x 2 = 57344 bytes a token; 23405 blocks of 16 tokens are 23405 x 16 x 57344 = 21474181120 bytes = 20.00 GiB.
+GPU_KV_BYTES = 23405 * 16 * 2 * 28 * 4 * 128 * 2
+
+
+def test_the_ready_line_says_what_vllm_chose_on_the_cpu(capsys):
+    engine = FakeLLM()
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo"), engine.llm)
+    report = asyncio.run(actor.ready())
+    assert {k: report[k] for k in ("async_scheduling", "model_runner", "kv_cache_bytes", "kv_cache_blocks")} == {
+        "async_scheduling": False,
+        "model_runner": "V1",
+        "kv_cache_bytes": 2**30,
+        "kv_cache_blocks": 8192,
+    }
+    assert report["block_size"] == 128 and report["attention"] == "CPU_ATTN"
+    line = capsys.readouterr().out
+    assert "vLLM chose: async scheduling off; model runner V1; KV cache 1.00 GiB per shard, 8192 blocks of 128" in line
+    assert line.rstrip().endswith("attention CPU_ATTN")
+
+
+@pytest.mark.parametrize("weight_update", ["between_requests", "inflight"])
+def test_the_ready_line_of_a_gpu_engine_says_what_vllm_chose_and_why_async_scheduling_is_off(
+    weight_update, monkeypatch, capsys
+):
+    # vLLM 0.32 on a GPU turns async scheduling on and picks Model Runner V2 (config/vllm.py); the in-flight
+    # engine is built with async_scheduling=False (engine_kwargs), so its config says off, and the line says why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    inflight = weight_update == "inflight"
+    config = standins.vllm_config(
+        async_scheduling=not inflight, v2_runner=True, kv_blocks=23405, block_size=16, attention="FLASH_ATTN", layers=28
+    )
+    worker = standins.worker(config, kv_bytes=GPU_KV_BYTES)
+    engine = (standins.async_llm if inflight else standins.llm)(worker, tokenizer=FakeTokenizer())
+    spec = actor_spec("fake", None, "builtin:echo", weight_update=weight_update)
+    report = asyncio.run(GenerationActor(spec, engine).ready())
+    chosen = (report["async_scheduling"], report["model_runner"], report["attention"])
+    assert chosen == (not inflight, "V2", "FLASH_ATTN")
+    assert (report["kv_cache_bytes"], report["kv_cache_blocks"], report["block_size"]) == (GPU_KV_BYTES, 23405, 16)
+    scheduling = "off: in-flight updates are proven only without it" if inflight else "on"
+    chose = f"vLLM chose: async scheduling {scheduling}; model runner V2; KV cache 20.00 GiB per shard, 23405 blocks"
+    assert chose in capsys.readouterr().out

