@@ -22,15 +22,13 @@ and ``eager``; ``tests/test_packing.py`` holds packed == unpadded to 1e-5):
   kernels (``flash_attention_2``, no ``L x L`` tensor at all). It does so ONLY when
   ``attention_mask is None`` and there is no KV cache, so the call MUST pass
   ``use_cache=False``: with the default cache the detection is silently skipped and
-  sequences attend across each other (max logit error 0.85 on the tiny model).
-  ``PackedInputs.model_inputs()`` always passes ``use_cache=False``. Which form a rank
-  uses follows its attention kernel (``learner/attention.py``): for ``sdpa`` the block mask
-  transformers builds from position ids is as dense as ours, so only ``flash_attention_2``
-  goes without one.
+  sequences attend across each other (max logit error 0.85 on the tiny model), so
+  ``PackedInputs.model_inputs()`` always passes it. The form follows the rank's kernel
+  (``learner/attention.py``): for ``sdpa`` the mask transformers builds from position ids
+  is as dense as ours, so only ``flash_attention_2`` goes without one.
 * a micro-batch of ONE sequence gets no mask in any form: transformers then runs plain
-  causal attention (``sdpa``'s ``is_causal``, without an ``[L, L]`` tensor). On the CPU a
-  16K-token response ran forward + backward through the tiny Qwen2 3x faster that way (9 s
-  vs 28 s, one thread), with 2.4 GB less peak memory, than under its boolean block mask.
+  causal attention (``sdpa``'s ``is_causal``, without an ``[L, L]`` tensor): faster and smaller
+  than under the boolean block mask (a 16K-token response on the CPU: ``bench/README.md``).
 
 Micro-batch planning (``plan_micro_batches``) assigns sequences to ranks longest-first
 onto the least-loaded rank (LPT, Graham 1969: max - min rank tokens <= longest
@@ -144,8 +142,8 @@ class PackedInputs:
     model sees, and where each completion token sits in the packed rows.
 
     ``completion_*`` are ``[n, T]`` (``T`` = longest completion in the micro-batch), laid out like
-    the rank's completion table rows ``rows``; logits come out as ``[R, Lr, V]`` (or ``[1, N, V]``
-    with ``logits_to_keep``): read them with ``packed_completion_logprobs`` / ``packed_at_completion``.
+    the rank's completion table rows ``rows``; logits come out as ``[R, Lr, V]``, or ``[1, N, V]`` at the
+    scored positions only (``learner/head.py``): read them with ``packed_completion_logprobs``.
     """
 
     input_ids: torch.Tensor  # [R, Lr] the sequences' prompt + completion tokens back to back
@@ -157,6 +155,7 @@ class PackedInputs:
     completion_ids: torch.Tensor  # [n, T] completion tokens (0 in padding)
     rows: slice  # the sequences' rows in the rank's completion table (empty for the dummy)
     is_dummy: bool = False  # the zero-weight stand-in for an empty micro-batch
+    released: bool = False  # its pass is over and its mask dropped (``release``): it may not run again
 
     @property
     def width(self) -> int:
@@ -165,15 +164,18 @@ class PackedInputs:
 
     @property
     def logit_positions(self) -> torch.Tensor:
-        """``[N]`` row positions whose output predicts a completion token (``p - 1``), in
-        row-major order of ``completion_valid``. Pass as ``logits_to_keep=`` to compute
-        the LM head only there: logits ``[1, N, V]`` instead of ``[1, L, V]``."""
+        """``[N]`` flat positions in the ``[R * Lr]`` rows whose output predicts a completion token
+        (``p - 1``), in row-major order of ``completion_valid``: where the LM head runs."""
         return self.completion_index[self.completion_valid] - 1
 
     def logits_to_keep(self) -> torch.Tensor | int:
-        """``logits_to_keep=`` for the model: the predicting positions when there is one
-        row (the LM head then runs only there), else 0 (all positions)."""
+        """``logits_to_keep=`` for the model: the predicting positions when there is one row, else 0
+        (all positions: ``[R, Lr, V]``). ``learner/head.py`` keeps only them in any layout."""
         return self.logit_positions if self.input_ids.size(0) == 1 else 0
+
+    def release(self) -> None:
+        """Drop the block mask (``[R, 1, Lr, Lr]``, the largest tensor here) once the pass is over."""
+        self.attention_mask, self.released = None, True
 
     @property
     def completion_lengths(self) -> list[int]:
@@ -181,11 +183,10 @@ class PackedInputs:
         return [] if self.is_dummy else self.completion_valid.sum(1).tolist()
 
     def model_inputs(self) -> dict[str, torch.Tensor | bool | None]:
-        """Keyword arguments for a Hugging Face causal LM (or its base model).
-
-        ``use_cache=False`` matters only without a 4D mask (see the module docstring);
-        it is also what training wants.
-        """
+        """Keyword arguments for a Hugging Face causal LM (or its base model); ``use_cache=False``
+        matters without a 4D mask (see the module docstring) and is what training wants."""
+        if self.released:
+            raise RuntimeError("this packed micro-batch was released after its pass: pack it again (RankBatch.pack)")
         return {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,

@@ -30,6 +30,7 @@ from learner.algorithms import get_kl_estimator, masked_moments, value_loss, whi
 from learner.algorithms.importance import weight_sums
 from learner.config import AlgorithmConfig
 from learner.estimators import TokenRewards
+from learner.head import scored_logits
 from learner.objective import aggregation_weights, build_objective, importance_weights, rejection
 from learner.packing import PackedInputs, packed_at_completion, packed_completion_kl, packed_completion_logprobs
 from learner.rank_batch import RankBatch
@@ -122,7 +123,8 @@ class RankStep:
 
     # --- the forward passes -----------------------------------------------------------------
     def _forward(self, model, micro: PackedInputs) -> torch.Tensor:
-        return model(**micro.model_inputs(), logits_to_keep=micro.logits_to_keep()).logits
+        """``[1, N, V]`` logits at the scored positions only, in any row layout (``learner/head.py``)."""
+        return scored_logits(model, micro)
 
     def _logprobs(self, model, micro: PackedInputs, mask: torch.Tensor, with_entropy: bool = False, logits=None):
         logits = self._forward(model, micro) if logits is None else logits
@@ -172,7 +174,7 @@ class RankStep:
             for model in self._trainable():
                 model.eval()
             with torch.no_grad():
-                for micro in batch.micro_batches():
+                for micro in batch.packed(batch.micro_batches()):
                     # every sampled token, trained or not: a masked completion's KL still counts in its reward
                     mask = batch.part("completion_tokens", micro)
                     for name, scorer in scorers.items():
@@ -264,24 +266,15 @@ class RankStep:
                 if is_means is not None:
                     normaliser = dataclasses.replace(normaliser, is_mean=is_means[index])
                 finite = True
-                for micro in micro_batches:
+                for micro in batch.packed(micro_batches):  # packed one at a time (learner/rank_batch.py)
                     view = batch.view(micro)
                     n = float(view.completion_mask.sum())
                     tokens += int(n)
                     metrics = {}
                     if policy is not None:
-                        logits = self._forward(policy, micro)
-                        logprobs, entropy = self._logprobs(policy, micro, view.completion_mask, True, logits)
-                        if self.exact_kl:
-                            view = dataclasses.replace(view, exact_kl=self._exact_kl(logits, micro, view))
-                        loss, metrics = self.objective(logprobs, view, normaliser, kl_beta)
-                        # DeepSpeed averages gradients over ranks; the loss is already a share of the
-                        # global sum, so scale by world size to make the reduced gradient the global one.
-                        policy.backward(loss * self.world_size, scale_wrt_gas=False)
-                        metrics["entropy"] = entropy.sum() / max(n, 1.0)
-                        metrics["uniform_entropy"] = math.log(self.vocab)  # ln V: a policy that says nothing
-                        totals["loss"] += float(loss.detach())
-                        finite = finite and bool(torch.isfinite(loss.detach()))
+                        loss, metrics = self._policy_backward(micro, view, normaliser, kl_beta)
+                        totals["loss"] += loss
+                        finite = finite and math.isfinite(loss)
                     if self.models.critic is not None:
                         metrics.update(self._critic_backward(micro, view, normaliser))
                         finite = finite and math.isfinite(metrics["value_loss_share"])
@@ -322,6 +315,21 @@ class RankStep:
             grads = [p.grad for model in self._trainable() for p in _parameters(model) if p.grad is not None]
             finite = not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
         return agree_all(finite, self.layout.device) if self.world_size > 1 else finite
+
+    def _policy_backward(self, micro: PackedInputs, view, normaliser, kl_beta: float) -> tuple[float, dict]:
+        """The policy's loss share on ``micro`` and its backward; the logits (``[1, N, V]``) and the
+        graph die with this call, before the next micro-batch is packed."""
+        logits = self._forward(self.models.policy, micro)
+        logprobs, entropy = self._logprobs(self.models.policy, micro, view.completion_mask, True, logits)
+        if self.exact_kl:
+            view = dataclasses.replace(view, exact_kl=self._exact_kl(logits, micro, view))
+        loss, metrics = self.objective(logprobs, view, normaliser, kl_beta)
+        # DeepSpeed averages gradients over ranks; the loss is already a share of the
+        # global sum, so scale by world size to make the reduced gradient the global one.
+        self.models.policy.backward(loss * self.world_size, scale_wrt_gas=False)
+        metrics["entropy"] = entropy.sum() / max(float(view.completion_mask.sum()), 1.0)
+        metrics["uniform_entropy"] = math.log(self.vocab)  # ln V: a policy that says nothing
+        return float(loss.detach()), metrics
 
     def _critic_backward(self, micro: PackedInputs, view, normaliser) -> dict[str, float]:
         values = packed_at_completion(self.models.critic(**micro.model_inputs()), micro).float()  # [n, T]

@@ -1,16 +1,22 @@
 """A rank's batch between scoring and training: packed micro-batches and one completion table.
 
-Built once per step from the rank's ``RankShard`` and kept until the step ends, so nothing is
-packed twice and nothing per-token goes back to the driver. Every per-token quantity lives in
-one ``[n, T]`` table over the rank's sequences (T = its longest completion), in host memory:
-the mask and sampler log-probs the actors sent, then what scoring adds (old and reference
-log-probs, the critic's values), then advantages and critic targets. Micro-batch k covers the
-table's rows ``rows_k`` and first ``T_k`` columns; ``view`` hands those to the loss on the
-rank's device.
+Built once per step from the rank's ``RankShard`` and kept until the step ends, so nothing
+per-token goes back to the driver. Every per-token quantity lives in one ``[n, T]`` table over the
+rank's sequences (T = its longest completion), in host memory: the mask and sampler log-probs the
+actors sent, then what scoring adds (old and reference log-probs, the critic's values), then
+advantages and critic targets. Micro-batch k covers the table's rows ``rows_k`` and first ``T_k``
+columns; ``view`` hands those to the loss on the rank's device.
+
+The micro-batches themselves are only planned here (``MicroBatch``: a range of sequences). Each is
+packed onto the device when a pass reaches it (``packed``), and released before the next is packed:
+a dense block mask is ``[R, 1, Lr, Lr]`` (a DAPO-sized shard's ~48 of them held together came to
+~16 GB), so the rank holds one at a time. Packing is a pure function of the shard, so a micro-batch
+packed again (every scoring and training pass) is the same tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -38,6 +44,18 @@ class CompletionView:
 FIELDS = tuple(f.name for f in fields(CompletionView))
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """A planned micro-batch: the shard's sequences ``rows`` (a contiguous range), not yet packed."""
+
+    rows: slice  # its rows in the completion table; empty: the zero-weight dummy
+    width: int  # T_k: the table columns it covers (its longest completion)
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.rows.start == self.rows.stop
+
+
 class RankBatch:
     def __init__(
         self,
@@ -63,19 +81,37 @@ class RankBatch:
             else self.spread(self.tokens.model_mask.astype(np.float32)),
         }
         self.normalisers, self.epochs = shard.normalisers, shard.epochs
-        self.minibatches: list[list[PackedInputs]] = []
+        self.pad_id, self.mask_dtype, self.row_tokens = pad_id, mask_dtype, row_tokens
+        self.minibatches: list[list[MicroBatch]] = []
         start = 0
         for sizes in shard.micro_sizes:
             micro = []
             for size in sizes:
-                micro.append(pack_range(self.tokens, start, start + size, pad_id, self.device, mask_dtype, row_tokens))
+                width = int(lengths[start : start + size].max()) if size else 1  # pack_range's T (the dummy's 1)
+                micro.append(MicroBatch(slice(start, start + size), width))
                 start += size
             self.minibatches.append(micro)
         if start != self.n:
             raise ValueError(f"rank shard lays out {start} sequences but carries {self.n}")
 
-    def micro_batches(self) -> list[PackedInputs]:
+    def micro_batches(self) -> list[MicroBatch]:
         return [micro for mb in self.minibatches for micro in mb]
+
+    def pack(self, micro: MicroBatch) -> PackedInputs:
+        """``micro`` packed onto the rank's device (with its block mask, if the layout has one)."""
+        start, stop = micro.rows.start, micro.rows.stop
+        return pack_range(self.tokens, start, stop, self.pad_id, self.device, self.mask_dtype, self.row_tokens)
+
+    def packed(self, micro_batches: Iterable[MicroBatch]) -> Iterator[PackedInputs]:
+        """Each of ``micro_batches`` packed when the loop reaches it. The one before is released
+        first (its mask dropped; using it again raises), so one packed micro-batch is held at a time
+        even while the loop's variable still names the last one."""
+        for micro in micro_batches:
+            inputs = self.pack(micro)
+            try:
+                yield inputs
+            finally:
+                inputs.release()
 
     # --- the table --------------------------------------------------------------------------
     def spread(self, flat: np.ndarray | Tensor) -> Tensor:
@@ -96,7 +132,7 @@ class RankBatch:
     def set(self, name: str, values: Tensor) -> None:
         self.table[name] = values.detach().to("cpu", torch.float32) * self.table["completion_mask"]
 
-    def write(self, name: str, micro: PackedInputs, values: Tensor) -> None:
+    def write(self, name: str, micro: MicroBatch | PackedInputs, values: Tensor) -> None:
         """Store one micro-batch's ``[n_k, T_k]`` values of ``name`` (the dummy's are dropped)."""
         self.add_column(name)
         if not micro.is_dummy:
@@ -110,13 +146,13 @@ class RankBatch:
     def import_flat(self, name: str, flat: np.ndarray) -> None:
         self.table[name] = self.spread(flat.astype(np.float32))
 
-    def part(self, name: str, micro: PackedInputs) -> Tensor:
+    def part(self, name: str, micro: MicroBatch | PackedInputs) -> Tensor:
         """Micro-batch ``micro``'s slice of column ``name``, on the rank's device (the dummy gets
         zeros ``[1, 1]``: weight 0)."""
         part = torch.zeros((1, 1)) if micro.is_dummy else self.table[name][micro.rows, : micro.width]
         return part.to(self.device)
 
-    def view(self, micro: PackedInputs) -> CompletionView:
+    def view(self, micro: MicroBatch | PackedInputs) -> CompletionView:
         """Micro-batch ``micro``'s slice of every column the table has."""
         return CompletionView(**{name: self.part(name, micro) for name in FIELDS if name in self.table})
 

@@ -67,7 +67,7 @@ def rank_batch(
 def packed(seqs: list[TrainSequence], pad_id: int = 0, **kwargs) -> tuple[PackedInputs, CompletionView]:
     """One micro-batch of all ``seqs`` (the dummy when empty) and its completion tensors."""
     batch = rank_batch(seqs, pad_id, **kwargs)
-    micro = batch.minibatches[0][0]
+    micro = batch.pack(batch.minibatches[0][0])
     return micro, batch.view(micro)
 
 
