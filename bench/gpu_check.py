@@ -10,7 +10,8 @@ one JSON line; ``bench/gpu_device_check.sh`` runs them in order and prints one t
   with ``--zero`` (2 or 3) and ``--attention`` (sdpa, or flash_attention_2: the varlen kernel, when
   flash_attn is importable), on ``--sequences`` x ``--tokens`` response tokens; ``--checkpointing``
   turns on gradient checkpointing (with the default chunked log-probs, ``logprob_chunk_tokens``
-  1024). Reports the median step, trained tokens/s, peak device memory, and model-FLOPs utilisation
+  1024). Reports the median step, trained tokens/s, peak device memory beside what the memory plan
+  predicts for the same rank (``tandem plan``'s arithmetic, ``cluster/memory.py``), and model-FLOPs utilisation
   against ``--peak-tflops``: ``(6 N + 6 L H S) x tokens / s``, N the parameters without the embedding
   table, L layers, H the hidden size, S the mean sequence length (causal attention: half of 12 L H S).
   Then the exported weights: their dtype must be the run's (bf16), and the learner's log-probs of
@@ -153,14 +154,27 @@ def step(args) -> dict:
         raise RuntimeError(f"exported weights are {dtypes}, the run's dtype is {args.dtype}")
     exported = f"{len(named)} tensors, {dtypes[0]}"
     del named  # (ZeRO-3 gathered copies: not held through the offload)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # the steps' and the export's
     offload = _offload_round_trip(worker, one) if args.offload else {}
     return {**offload,
         "zero": args.zero, "attention": f"{attention.implementation} ({attention.mask} mask)",
         "checkpointing": args.checkpointing, "dtype": args.dtype, "tokens": tokens, "seconds": seconds,
         "tokens_s": tokens / seconds, "tflops": achieved / 1e12, "mfu": achieved / (args.peak_tflops * 1e12),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "params": params,
+        "peak_gib": peak, "predicted_gib": _predicted(learner, config, args.dtype, n + 64, attention),
+        "params": params,
         "exported": exported, "loss": metrics.get("loss"),
     }  # fmt: skip
+
+
+def _predicted(learner, config, dtype: str, longest: int, attention) -> float:
+    """GiB the memory plan (``tandem plan``: ``launch/plan.py`` policy_terms) predicts for this one-rank step,
+    without its CUDA-context allowance: ``max_memory_allocated`` counts tensors only."""
+    from cluster.memory import GIB, shape_of
+    from launch.plan import policy_terms
+
+    stays, backward, step = policy_terms(learner, shape_of(config), 1, dtype, longest, not attention.varlen)
+    held = sum(t.bytes for t in stays if t.name != "CUDA context")
+    return (held + max(sum(t.bytes for t in backward), sum(t.bytes for t in step))) / GIB
 
 
 def _offload_round_trip(worker, one) -> dict:
@@ -251,7 +265,7 @@ def weights(args) -> dict:
 def table(args) -> None:
     """The results file of ``bench/gpu_device_check.sh`` as one markdown table."""
     rows = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line.strip()]
-    print(f"\n| check ({args.mode}) | result | seconds | tokens/s | TFLOP/s (MFU) | peak GiB | notes |")
+    print(f"\n| check ({args.mode}) | result | seconds | tokens/s | TFLOP/s (MFU) | peak GiB (plan) | notes |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         if "error" in row:
@@ -264,6 +278,7 @@ def table(args) -> None:
             cells = ["", "", "", "", note + " (64 MiB)"]
         elif r["check"] == "step":
             peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+            peak += f" (plan {r['predicted_gib']:.1f})" if "predicted_gib" in r else ""
             ckpt = ", grad. ckpt" if r["checkpointing"] else ""
             note = f"ZeRO-{r['zero']}, {r['attention']}, {r['dtype']}{ckpt}; {r['tokens']} tokens; {r['exported']}"
             if "offload_s" in r:

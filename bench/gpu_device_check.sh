@@ -4,6 +4,7 @@
 # side of Tandem on CUDA (bench/gpu_check.py, each check its own process) and prints one table:
 #   collectives    the learner's group at world size 1 (nccl), all-reduce and broadcast of 64 MiB
 #   zero2 / zero3  a real learner step, bf16, sdpa, on the 0.5B-shaped model: tokens/s, MFU, peak memory
+#                  (torch.cuda.max_memory_allocated) beside the memory plan's prediction (tandem plan's arithmetic)
 #   varlen         the same with flash_attention_2 (varlen), when flash_attn is importable
 #   32k            one 32K-token response, gradient checkpointing + chunked log-probs (ZeRO-2)
 #   weights        the same-device weight path between two processes (CUDA IPC), every byte checked

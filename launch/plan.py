@@ -37,6 +37,7 @@ from cluster.memory import (
 from cluster.placement import ProcessKind
 from launch.config import TandemConfig
 from learner.attention import select_attention
+from learner.config import LearnerConfig
 from learner.environment import rank_env
 
 
@@ -140,42 +141,56 @@ def dense_attention(cfg: TandemConfig, flash_attn: bool | None = None) -> bool:
         return False
 
 
-def _learner_terms(cfg: TandemConfig, shape: ModelShape, dense: bool) -> tuple[list[Term], list[Term], list[Term]]:
-    """Learner rank 0's GPU: what stays, what the backward adds, what the optimizer step adds."""
-    learner, ranks, b = cfg.learner, cfg.resources.learner.ranks, _bytes(cfg)
-    st = training_state(_trained(cfg, shape), shape.params, learner.zero_stage, ranks, b)
+def policy_terms(
+    learner: LearnerConfig, shape: ModelShape, ranks: int, dtype: str, longest: int, dense: bool
+) -> tuple[list[Term], list[Term], list[Term]]:
+    """The trained policy on one learner rank's GPU (``ranks`` of them, ``dtype`` = model.dtype, sequences of up
+    to ``longest`` tokens, ``dense``: the kernel takes a block mask): what stays, what the backward adds, what the
+    optimizer step adds. ``bench/gpu_check.py`` prints the same beside what a GPU measured."""
+    b = 2 if dtype == "bfloat16" else 4
+    lora = learner.lora
+    psi = shape.lora_params(lora.rank, lora.target_modules) if lora else shape.params
+    st = training_state(psi, shape.params, learner.zero_stage, ranks, b)
     zero = "learner.zero_stage" if learner.zero_stage < 3 else "resources.learner.ranks"
     p = "learner rank"
     stays = [Term(p, "weights", st["weights"], zero), Term(p, "gradients", st["gradients"], zero),
              Term(p, "optimizer (fp32 master + AdamW moments)", st["optimizer"], zero),
              Term(p, "DeepSpeed buckets", st["reduce bucket"]), Term(p, "CUDA context", CUDA_CONTEXT)]  # fmt: skip
-    res = cfg.resources
+    tokens = max(learner.token_budget, longest)  # a longer sequence is a micro-batch of its own
+    sdpa = dense and learner.attention != "eager"
+    ckpt = learner.gradient_checkpointing
+    backward = [
+        Term(p, f"activations ({tokens} tokens{', checkpointed' if ckpt else ''})",
+             activation_bytes(shape, tokens, b, ckpt, sdpa),
+             "learner.token_budget" if ckpt else "learner.gradient_checkpointing"),
+        Term(p, "backward work (one layer)", tokens * layer_activation_bytes(shape, b, sdpa), "learner.token_budget"),
+        Term(p, "logits and their gradient", logits_bytes(shape.vocab, tokens, b), "learner.token_budget"),
+        Term(p, "logits chunk (fp32)", chunk_bytes(shape.vocab, min(learner.logprob_chunk_tokens or tokens, tokens)),
+             "learner.logprob_chunk_tokens"),
+    ]  # fmt: skip
+    if dense:
+        mask = _mask_bytes(learner, tokens, longest, b)
+        flash = "learner.attention (flash_attention_2: pip install flash-attn)"
+        backward.append(Term(p, "attention mask of the micro-batch", mask, flash))
+    step = [Term(p, "fp32 gradients at the step", st["step"], zero)]
+    return stays, backward, step
+
+
+def _learner_terms(cfg: TandemConfig, shape: ModelShape, dense: bool) -> tuple[list[Term], list[Term], list[Term]]:
+    """Learner rank 0's GPU: the policy's terms, and the reference, critic and weight channel it holds."""
+    res, b = cfg.resources, _bytes(cfg)
+    stays, backward, step = policy_terms(cfg.learner, shape, res.learner.ranks, cfg.model.dtype,
+                                         cfg.engine.max_model_len, dense)  # fmt: skip
     if cfg.has_reference and res.reference.placement == "colocated":
         stays.append(Term("reference", "weights", shape.params * b, "resources.reference.placement=separate"))
     if cfg.has_critic and res.critic.placement == "colocated":
         value = shape.params - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
-        cs = training_state(value, value, learner.zero_stage, ranks, b)
+        cs = training_state(value, value, cfg.learner.zero_stage, res.learner.ranks, b)
         knob = "resources.critic.placement=separate"
         stays += [Term("critic", k, cs[k], knob) for k in ("weights", "gradients", "optimizer", "reduce bucket")]
     if cfg.weights.backend == "distributed" and cfg.weights.process_group == "nccl":
-        stays.append(
-            Term(p, "weight channel pack ring (2 buckets)", 2 * cfg.weights.bucket_mb << 20, "weights.bucket_mb")
-        )
-    tokens = max(learner.token_budget, cfg.engine.max_model_len)  # a longer sequence is a micro-batch of its own
-    sdpa = dense and learner.attention != "eager"
-    fix_kernel = "learner.attention (flash_attention_2, pip install flash-attn)"
-    backward = [
-        Term(p, f"activations ({tokens} tokens{', checkpointed' if learner.gradient_checkpointing else ''})",
-             activation_bytes(shape, tokens, b, learner.gradient_checkpointing, sdpa),
-             "learner.token_budget" if learner.gradient_checkpointing else "learner.gradient_checkpointing"),
-        Term(p, "backward work (one layer)", tokens * layer_activation_bytes(shape, b, sdpa), "learner.token_budget"),
-        Term(p, "logits and their gradient", logits_bytes(shape.vocab, tokens, b), "learner.token_budget"),
-        Term(p, "logits chunk (fp32)", chunk_bytes(shape.vocab, learner.logprob_chunk_tokens or tokens),
-             "learner.logprob_chunk_tokens"),
-    ]  # fmt: skip
-    if dense:
-        backward.append(Term(p, "attention mask of the micro-batch", _mask_bytes(cfg, tokens, b), fix_kernel))
-    step = [Term(p, "fp32 gradients at the step", st["step"], zero)]
+        ring = 2 * cfg.weights.bucket_mb << 20
+        stays.append(Term("learner rank", "weight channel pack ring (2 buckets)", ring, "weights.bucket_mb"))
     return stays, backward, step
 
 
@@ -189,14 +204,18 @@ def _bytes(cfg: TandemConfig) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
-def _mask_bytes(cfg: TandemConfig, tokens: int, b: int) -> int:
-    """The running micro-batch's [R, 1, Lr, Lr] mask, its sequences at engine.max_model_len: R Lr^2, bool for
-    sdpa, the compute dtype for eager (``learner/packing.py`` assign_rows: rows of the longest sequence, or of
-    learner.pack_row_tokens; ``learner/rank_batch.py`` packs one micro-batch at a time)."""
-    longest, row = cfg.engine.max_model_len, cfg.learner.pack_row_tokens
-    width = longest if row is None else max(row or tokens, longest)
-    rows = math.ceil(max(tokens // longest, 1) * longest / width)
-    return rows * width * width * (b if cfg.learner.attention == "eager" else 1)
+def _mask_bytes(learner: LearnerConfig, tokens: int, longest: int, b: int) -> int:
+    """The largest [R, 1, Lr, Lr] mask one micro-batch of ``tokens`` can carry (``learner/rank_batch.py`` packs
+    one at a time): n sequences of l tokens, n = tokens // l >= 2 (one sequence runs without a mask), l = the
+    longest or half the budget, in rows of Lr = max(l, learner.pack_row_tokens) (``learner/packing.py``
+    assign_rows): R Lr^2 elements, bool for sdpa, the compute dtype for eager."""
+    row, worst = learner.pack_row_tokens, 0
+    for length in {longest, min(longest, tokens // 2)}:
+        n = tokens // max(length, 1)
+        if n >= 2:
+            width = length if row is None else max(row or tokens, length)
+            worst = max(worst, math.ceil(n * length / width) * width * width)
+    return worst * (b if learner.attention == "eager" else 1)
 
 
 def _engine_terms(cfg: TandemConfig, shape: ModelShape, device: int) -> tuple[list[Term], EngineShare]:

@@ -205,3 +205,24 @@ def test_a_local_model_folder_gives_its_own_shape(tmp_path):
     cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", [f"model.path={tmp_path}"])
     assert model_shape(cfg) == KNOWN_SHAPES["0.5B"]
     assert model_shape(cfg, "7B") == KNOWN_SHAPES["7B"]
+
+
+def test_the_mask_term_is_the_largest_one_micro_batch_carries():
+    from launch.plan import policy_terms
+
+    dapo = load_config(ROOT / "configs/recipes/math-dapo-1node.yaml")
+    _, backward, _ = policy_terms(dapo.learner, KNOWN_SHAPES["1.5B"], 2, "bfloat16", 9216, dense=True)
+    mask = next(t.bytes for t in backward if "mask" in t.name)
+    assert mask == 3 * 9216 * 9216  # 32768 // 9216 = 3 sequences, one row each: 3 x 9216^2 bool
+    _, backward, _ = policy_terms(dapo.learner, KNOWN_SHAPES["1.5B"], 2, "bfloat16", 9216, dense=False)
+    assert not any("mask" in t.name for t in backward)  # flash-attention's varlen kernel takes none
+
+
+def test_preflight_stops_a_gpu_run_whose_plan_does_not_fit_this_machine(tmp_path, monkeypatch):
+    import launch.preflight as pf
+
+    monkeypatch.setattr(pf, "local_gpu_bytes", lambda: 40 * GIB)  # what nvidia-smi would say
+    recipe = ROOT / "configs/recipes/math-grpo-1node.yaml"
+    cfg = load_config(recipe, [f"run.output_dir={tmp_path}", "learner.attention=flash_attention_2"])
+    with pytest.raises(PreflightError, match=r"while training, more than the device's 40.0 GiB"):
+        pf.preflight(cfg, "Qwen/Qwen2.5-1.5B-Instruct", [{"problem": "1 + 1?", "solution": "\\boxed{2}"}])
