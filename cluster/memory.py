@@ -38,7 +38,7 @@ heads of ``d`` dims, ``L`` layers, ``c`` log-prob chunk tokens. One line per ter
 - weight channel   NCCL: 2 x bucket bytes on the publisher (its pack ring), the whole model Phi b on
                    the receiving engine's first GPU (its receive buffers, outside vLLM's share)
 - /dev/shm (host)  Ray channel, in-flight updates with shared transfer on GPUs: Phi b per actor per
-                   update (each engine's copy of the object-store tensors, docs/weights.md)
+                   update (each engine's copy of the object-store tensors, actors/engine_weights.py)
 
 Nothing here has been measured on a GPU yet: ``tests/test_memory_plan.py`` measures the weights,
 AdamW states and activations of the same shapes on the CPU (meta tensors, saved-tensor hooks), and

@@ -3,6 +3,10 @@
 The actors and the learner ranks always; PPO's critic and the KL reference model only when
 the run has them and they are placed on processes of their own (colocated, they live on the
 learner ranks and add no process). Each kind carries the environment its role needs.
+
+The memory plan places ``cluster/memory.py``'s terms the same way: which process holds which term on
+which GPU, in which phase (training, the optimizer step; colocated also generating and starting), from
+the typed sections; ``tandem plan`` prints it and ``tandem train``'s preflight refuses a GPU over its device.
 """
 
 from __future__ import annotations
@@ -265,7 +269,7 @@ def memory_plan(cfg: TandemConfig, shape: ModelShape, device: int, dense: bool) 
                     "training": stays + backward + asleep,
                     "at the optimizer step": stays + step + asleep,
                     "generating": awake + kept,
-                    "starting (engines profile while the learner builds)": awake + init,
+                    "starting (the learner builds beside the awake engines)": awake + init,
                 },
             )
         )
@@ -296,6 +300,6 @@ def shm_note(cfg: TandemConfig, shape: ModelShape) -> str | None:
     each = shape.params * _bytes(cfg)
     return (
         f"host /dev/shm: {gib(each)} GiB per actor per update ({res.actors.count} actors: "
-        f"{gib(each * res.actors.count)} GiB, beside Ray's object store); a container needs --shm-size above that, "
-        "or engine.weight_transfer=bytes"
+        f"{gib(each * res.actors.count)} GiB, beside Ray's object store); where it has less than twice an "
+        "update, engine.weight_transfer=auto sends the update as a bytes copy instead (actors/engine_weights.py)"
     )

@@ -188,7 +188,7 @@ def test_colocated_gpus_hold_the_engines_with_what_the_learner_cannot_offload():
     assert generating["frozen LoRA base (not offloaded)"] == (1_543_714_304 - 18_464_768) * 2
     assert generating["weights"] == 1_543_714_304 * 2  # the colocated reference model stays too
     assert sum(v for k, v in generating.items() if k.startswith("vLLM")) == int(0.4 * 80 * GIB)
-    assert "starting (engines profile while the learner builds)" in gpu.phases  # review B1
+    assert "starting (the learner builds beside the awake engines)" in gpu.phases  # review B1
 
 
 def test_train_stops_before_anything_starts_when_a_gpu_cannot_hold_the_plan(tmp_path):
