@@ -10,6 +10,9 @@ things around it:
   ``.data`` is replaced, so the optimizer keeps its references);
 - DeepSpeed's reload puts every optimizer-state tensor on the device, AdamW's ``step`` counters too,
   which torch keeps on the host: each goes back where it was before the offload;
+- at ZeRO-1/2 DeepSpeed moves the trained parameters only (its ``bit16_groups`` hold those that
+  require a gradient): with LoRA the frozen base, most of the model, would stay on the device, so
+  this module moves the frozen parameters itself;
 - ZeRO-0 has no ``offload_states`` (the config refuses the colocated schedule on GPUs there), and
   neither does DeepSpeed's ZeRO-3 with frozen parameters (LoRA, refused too).
 """
@@ -55,15 +58,21 @@ def offload(engine, pin_memory: bool) -> Offloaded:
     out = Offloaded(state_devices=[(st, k, v.device) for st in states for k, v in st.items() if torch.is_tensor(v)])
     if not _needs_own_moves(engine):
         engine.offload_states(pin_memory=pin_memory)
+        _move_to_host([p for p in engine.module.parameters() if not p.requires_grad], out, pin_memory)
         return out
     engine.offload_states(include=[s for s in OffloadStateTypeEnum if s.value not in OWN], pin_memory=pin_memory)
     tensors = list(engine.optimizer.fp32_partitioned_groups_flat) + [
         t for st, k, _ in out.state_devices for t in [st[k]]
     ]
+    _move_to_host(tensors, out, pin_memory)
+    return out
+
+
+def _move_to_host(tensors: list[torch.Tensor], out: Offloaded, pin_memory: bool) -> None:
+    """Each tensor's ``.data`` to host memory (its references stay valid), recorded for ``reload``."""
     for tensor in tensors:
         out.moved.append((tensor, tensor.device))
         tensor.data = _to_host(tensor.data, pin_memory)
-    return out
 
 
 def reload(engine, offloaded: Offloaded) -> None:
