@@ -244,10 +244,11 @@ def over(gpus: list[Gpu], device: int) -> str | None:
     for gpu in gpus:
         phase, total = gpu.peak
         if total > device:
-            big = max((t for t in gpu.phases[phase] if t.knob), key=lambda t: t.bytes)
+            terms = gpu.phases[phase]
+            big = max([t for t in terms if t.knob] or terms, key=lambda t: t.bytes)
             return (
                 f"the plan needs {gib(total)} GiB on the {gpu.label} while {phase}, more than the device's "
                 f"{gib(device)} GiB; the largest part is {big.process} {big.name} ({gib(big.bytes)} GiB): "
-                f"turn {big.knob}"
+                f"turn {big.knob or 'a smaller plan'}"
             )
     return None

@@ -89,9 +89,12 @@ def show_plan(
     """``tandem plan``: the placement (checked against a running cluster when ``--address`` is given), then
     each GPU's memory on devices of ``gpu_gib`` GiB; a GPU over it is refused in one line (rc 2)."""
     from cluster.placement import check_fits, describe_plan, local_ray_cpus
-    from launch.plan import build_plan
+    from launch.plan import build_plan, read_shape
 
     cfg = load_config(config_path, overrides)
+    if model_shape and read_shape(model_shape) is None:
+        raise ConfigError(f"--model-shape {model_shape}: neither a Qwen2.5 size (0.5B, 1.5B, 3B, 7B) nor a folder "
+                          "with a config.json; pass one of those")  # fmt: skip
     for line in cfg.warnings:
         print(f"tandem: warning: {line}", file=sys.stderr)
     kinds, strategy = build_plan(cfg).kinds, cfg.resources.strategy

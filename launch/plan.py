@@ -121,15 +121,24 @@ def rank_environment(kind: ProcessKind) -> dict[str, str]:
 # --- the memory plan (cluster/memory.py's arithmetic, placed by the run's roles) ----------------------
 
 
+def read_shape(source: str) -> ModelShape | None:
+    """A folder's config.json, or a Qwen2.5 size or hub id (``known_shape``); None when neither (or the
+    config lacks a field the plan reads)."""
+    config = Path(source) / "config.json"
+    if not config.is_file():
+        return known_shape(source)
+    try:
+        tree = json.loads(config.read_text())
+        return shape_of(SimpleNamespace(**tree.get("text_config", tree)))
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
 def model_shape(cfg: TandemConfig, given: str | None = None) -> ModelShape | None:
     """The shape to plan with: ``given`` (``tandem plan --model-shape``: a Qwen2.5 size such as 7B, or a
     folder with a config.json), else model.path's config.json, else a Qwen2.5 hub id's size; None if unknown."""
     for source in filter(None, (given, cfg.model.path)):
-        config = Path(source) / "config.json"
-        if config.is_file():
-            tree = json.loads(config.read_text())
-            return shape_of(SimpleNamespace(**tree.get("text_config", tree)))
-        if (shape := known_shape(source)) is not None:
+        if (shape := read_shape(source)) is not None:
             return shape
     return None
 

@@ -226,3 +226,12 @@ def test_preflight_stops_a_gpu_run_whose_plan_does_not_fit_this_machine(tmp_path
     cfg = load_config(recipe, [f"run.output_dir={tmp_path}", "learner.attention=flash_attention_2"])
     with pytest.raises(PreflightError, match=r"while training, more than the device's 40.0 GiB"):
         pf.preflight(cfg, "Qwen/Qwen2.5-1.5B-Instruct", [{"problem": "1 + 1?", "solution": "\\boxed{2}"}])
+
+
+def test_an_unknown_model_shape_option_is_refused_before_anything_prints(capsys):
+    recipe = str(ROOT / "configs/recipes/math-grpo-1node.yaml")
+    assert main(["plan", "--config", recipe, "--model-shape", "13B"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--model-shape 13B: neither a Qwen2.5 size" in err
+    assert main(["plan", "--config", recipe, "--model-shape", "7B"]) == 2  # 7B on 4 ZeRO-2 ranks: 97 GiB
+    assert "turn learner.zero_stage" in capsys.readouterr().err
