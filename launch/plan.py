@@ -263,11 +263,9 @@ def memory_plan(cfg: TandemConfig, shape: ModelShape, device: int, dense: bool) 
         asleep = [Term("actor", f"{per_gpu} engine(s) asleep (level 1)", per_gpu * SLEEPING_ENGINE)]
         awake = [Term(t.process, f"{t.name} x {per_gpu}" if per_gpu > 1 else t.name, t.bytes * per_gpu, t.knob)
                  for t in engines + receive]  # fmt: skip
-        lora = cfg.learner.lora
+        # offloaded: the weights (a LoRA base too, learner/offload.py), gradients and optimizer states; DeepSpeed's
+        # gradient bucket stays (its offload_states leaves the ipg buffers), and so does the frozen reference
         kept = [t for t in stays if t.process == "reference" or t.name in ("DeepSpeed buckets", "CUDA context")]
-        if lora:  # DeepSpeed's ZeRO-1/2 offload moves the trained groups only: the frozen base stays (review B7)
-            frozen = (shape.params - _trained(cfg, shape)) * _bytes(cfg)
-            kept.append(Term("learner rank", "frozen LoRA base (not offloaded)", frozen, "learner.lora"))
         init = [t for t in stays if t.name in ("weights", "CUDA context") or t.process == "reference"]
         master = 4 * _trained(cfg, shape) // res.learner.ranks  # ZeRO 1-3 (the config refuses 0 colocated on GPUs)
         init.append(Term("learner rank", "fp32 master weights", master))

@@ -176,18 +176,20 @@ def test_an_engine_share_without_room_for_one_sequence_is_refused():
         check_memory(cfg, KNOWN_SHAPES["1.5B"], 80 * GIB, False)
 
 
-def test_colocated_gpus_hold_the_engines_with_what_the_learner_cannot_offload():
+def test_colocated_gpus_hold_the_engines_with_what_the_learner_does_not_offload():
     cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml", [
         "run.schedule=colocated", "learner.zero_stage=1", "engine.gpu_memory_utilization=0.4", "learner.lora.rank=16",
         "learner.attention=flash_attention_2"])  # fmt: skip
     s = KNOWN_SHAPES["1.5B"]
     (gpu,), _ = memory_plan(cfg, s, 80 * GIB, dense=False)
-    generating = {t.name: t.bytes for t in gpu.phases["generating"]}
-    # the frozen base stays under ZeRO-1 (review B7): (1,543,714,304 - 18,464,768 adapters) x 2 B
+    generating = {f"{t.process} {t.name}": t.bytes for t in gpu.phases["generating"]}
+    # the learner's weights (a LoRA base too: learner/offload.py, review B7), gradients and states leave;
+    # the colocated reference (1,543,714,304 x 2 B), DeepSpeed's 5e8 x 2 B bucket and the context stay
     assert s.lora_params(16, "all-linear") == 18_464_768
-    assert generating["frozen LoRA base (not offloaded)"] == (1_543_714_304 - 18_464_768) * 2
-    assert generating["weights"] == 1_543_714_304 * 2  # the colocated reference model stays too
-    assert sum(v for k, v in generating.items() if k.startswith("vLLM")) == int(0.4 * 80 * GIB)
+    assert generating["reference weights"] == 1_543_714_304 * 2
+    assert generating["learner rank DeepSpeed buckets"] == 1_000_000_000
+    assert not any(k.startswith("learner rank") and "weights" in k for k in generating)
+    assert sum(v for k, v in generating.items() if k.startswith("actor vLLM")) == int(0.4 * 80 * GIB)
     assert "starting (the learner builds beside the awake engines)" in gpu.phases  # review B1
 
 
