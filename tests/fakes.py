@@ -8,6 +8,7 @@ import numpy as np
 
 from queues.messages import Trajectory, TrajectoryGroup
 from tests.reference_batch import TrainSequence
+from tests.standins import deepspeed_engine
 
 
 def make_sequence(rng: random.Random, prompt_len: int, completion_len: int, vocab: int = 56) -> TrainSequence:
@@ -110,33 +111,9 @@ class LocalActor:
         return _Method(self._target, name, calls=self._calls)
 
 
-class PlainEngine:
-    """A model and an optimiser with the surface of a DeepSpeed engine that ``RankStep`` uses."""
-
-    def __init__(self, module, lr: float):
-        import torch
-
-        self.module = module
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
-
-    def __call__(self, **inputs):
-        return self.module(**inputs)
-
-    def backward(self, loss, scale_wrt_gas: bool = False) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def train(self) -> None:
-        self.module.train()
-
-    def eval(self) -> None:
-        self.module.eval()
-
-    def get_global_grad_norm(self):
-        return None
+# A ZeRO-0 DeepSpeed engine over a model with torch's AdamW, as ``RankStep`` drives it: built from DeepSpeed's
+# own ``DeepSpeedEngine`` (``tests/standins.py``), so a call the real engine does not take fails here too.
+PlainEngine = deepspeed_engine
 
 
 class RecordingAdmission:

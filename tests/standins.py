@@ -209,7 +209,8 @@ def _undecorated(function):
 def deepspeed_engine(module, lr: float) -> Any:
     """A ZeRO-0 ``DeepSpeedEngine`` over ``module`` with torch's AdamW, as ``RankStep`` drives it: forward,
     ``backward(loss, retain_graph, scale_wrt_gas)`` (checked against DeepSpeed's own signature), ``step``
-    (the update, then the gradients cleared), train/eval, no gradient norm."""
+    (the update, then the gradients cleared), train/eval, the learning rates, no gradient norm. Every other
+    method exists with DeepSpeed's signature and returns a mock: a test that needs its value sets it."""
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -232,5 +233,6 @@ def deepspeed_engine(module, lr: float) -> Any:
     engine.train.side_effect = lambda mode=True: module.train(mode)
     engine.eval.side_effect = module.eval
     engine.get_global_grad_norm.return_value = None
+    engine.get_lr.side_effect = lambda: [group["lr"] for group in engine.optimizer.param_groups]  # as DeepSpeed's
     engine.zero_optimization_stage.return_value = 0
     return engine

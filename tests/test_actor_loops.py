@@ -192,7 +192,11 @@ def test_inflight_actor_swaps_weights_mid_generation_and_tags_every_token(late):
         engine, actor, prompts, results, channel, run = await _inflight_run(["copy 5:"], late)
         await asyncio.wait_for(engine.halfway.wait(), 5)
         channel.publish(1, weights(1.0))  # the watcher sees it and swaps while the request waits
-        (group,) = await results.get_batch_async(1, timeout=5)
+        pushed = asyncio.create_task(results.get_batch_async(1, timeout=5))
+        await asyncio.wait({pushed, run}, return_when=asyncio.FIRST_COMPLETED)
+        if run.done():
+            run.result()  # the loop failed (a call the engine does not take): its own error fails the test
+        (group,) = await pushed
         channel.close()
         await prompts.close()
         await results.close()
