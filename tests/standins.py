@@ -236,3 +236,29 @@ def deepspeed_engine(module, lr: float) -> Any:
     engine.get_lr.side_effect = lambda: [group["lr"] for group in engine.optimizer.param_groups]  # as DeepSpeed's
     engine.zero_optimization_stage.return_value = 0
     return engine
+
+
+def zero_engine(module, lr: float = 0.01) -> Any:
+    """A ZeRO-1/2 ``DeepSpeedEngine`` over ``module`` as ``learner/offload.py`` calls it: ``offload_states`` and
+    ``reload_states`` with DeepSpeed's signatures, each handing its arguments to the ZeRO optimizer's
+    (``DeepSpeedZeroOptimizer``, itself a stand-in) as ``engine.py`` does; they move nothing, as DeepSpeed moves
+    no frozen parameter. The optimizer wraps torch's AdamW over the trainable parameters (``.optimizer``)."""
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    engine = create_autospec(DeepSpeedEngine, instance=True)
+    engine.module = module
+    engine.optimizer = create_autospec(DeepSpeedZeroOptimizer, instance=True)
+    engine.optimizer.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr)
+    engine.zero_optimization_stage.return_value = 1
+
+    def offload_states(include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False):
+        engine.optimizer.offload_states(
+            include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking
+        )
+
+    engine.offload_states.side_effect = offload_states
+    engine.reload_states.side_effect = lambda non_blocking=False: engine.optimizer.reload_states(non_blocking)
+    return engine

@@ -4,7 +4,8 @@ of a LoRA policy too (issue 37 item 9).
 DeepSpeed's ZeRO-1/2 ``offload_states`` moves the parameters of its ``bit16_groups``, which hold only
 those that require a gradient (``stage_1_and_2.py``: ``trainable_parameters``): under LoRA the frozen
 base, most of the model, stayed on the GPU the engine was to wake on. Here DeepSpeed's engine is a
-stand-in whose offload moves nothing (as it moves no frozen parameter); then a real LoRA learner at ZeRO-1 offloads and reloads and trains on as without.
+stand-in built from DeepSpeed's classes (``tests/standins.py``) whose offload moves nothing (as it moves no
+frozen parameter); then a real LoRA learner at ZeRO-1 offloads and reloads and trains on as without.
 """
 
 from __future__ import annotations
@@ -13,29 +14,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import learner.offload as offload_module
 from learner.offload import offload, reload
+from tests import standins
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Engine:
-    """DeepSpeed's engine as ``offload`` calls it at ZeRO-1/2, moving no frozen parameter."""
-
-    def __init__(self, module):
-        self.module, self.calls = module, []
-        self.optimizer = SimpleNamespace(optimizer=SimpleNamespace(state={}))
-
-    def offload_states(self, pin_memory: bool = True, **kwargs):
-        self.calls.append("offload_states")
-
-    def reload_states(self, **kwargs):
-        self.calls.append("reload_states")
 
 
 def test_the_frozen_base_goes_to_the_host_with_the_trained_states_and_comes_back(monkeypatch):
@@ -44,12 +31,13 @@ def test_the_frozen_base_goes_to_the_host_with_the_trained_states_and_comes_back
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     module[0].requires_grad_(False)  # the frozen base; module[1] stands for the adapter DeepSpeed moves
     base = [p.data_ptr() for p in module[0].parameters()]
-    engine = Engine(module)
+    engine = standins.zero_engine(module)  # DeepSpeed's engine and ZeRO optimizer, moving no frozen parameter
     out = offload(engine, pin_memory=True)
-    assert engine.calls == ["offload_states"] and copied == base  # the base, by us; the adapter by DeepSpeed
+    offloaded = ["offload_states", "optimizer.offload_states"]  # the engine hands the call to its ZeRO optimizer
+    assert [c[0] for c in standins.calls(engine)] == offloaded and copied == base  # the base, by us
     assert [t for t, _ in out.moved] == list(module[0].parameters())
     reload(engine, out)
-    assert engine.calls == ["offload_states", "reload_states"]
+    assert [c[0] for c in standins.calls(engine)] == [*offloaded, "reload_states", "optimizer.reload_states"]
     assert all(p.device.type == "cpu" for p in module.parameters())  # back where each was
 
 
