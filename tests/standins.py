@@ -196,13 +196,15 @@ def async_llm(stand=None, generate=None, tokenizer=None, core: EngineCore | None
 
 
 # --- DeepSpeed ---------------------------------------------------------------------------------------
-def _undecorated(function):
-    """The function a decorator without ``functools.wraps`` hides (DeepSpeed's ``instrument_w_nvtx``
-    leaves ``backward`` as ``(*args, **kwargs)``): its closure's function of the same name."""
-    for cell in function.__closure__ or ():
-        inner = cell.cell_contents
-        if inspect.isfunction(inner) and inner.__name__ == function.__name__:
-            return _undecorated(inner)
+def _undecorated(cls, name: str):
+    """``cls.name`` as written, under a decorator without ``functools.wraps`` (DeepSpeed's ``instrument_w_nvtx``
+    leaves ``backward`` as ``wrapped_fn(*args, **kwargs)``): the function of that name in its closure."""
+    function = getattr(cls, name)
+    while function.__name__ != name:
+        inner = [c.cell_contents for c in function.__closure__ or () if inspect.isfunction(c.cell_contents)]
+        if not inner:
+            raise TypeError(f"{cls.__name__}.{name} hides its signature in no closure this test can read")
+        function = inner[0]
     return function
 
 
@@ -217,7 +219,7 @@ def deepspeed_engine(module, lr: float) -> Any:
     engine = create_autospec(DeepSpeedEngine, instance=True)
     engine.module = module
     engine.optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
-    backward_signature = inspect.signature(_undecorated(DeepSpeedEngine.backward))
+    backward_signature = inspect.signature(_undecorated(DeepSpeedEngine, "backward"))
 
     def backward(*args, **kwargs):
         backward_signature.bind(engine, *args, **kwargs)  # a wrong argument fails as DeepSpeed's would
