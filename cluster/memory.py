@@ -13,7 +13,7 @@ heads of ``d`` dims, ``L`` layers, ``c`` log-prob chunk tokens. One line per ter
                    1 at ZeRO 0; ZeRO 0 in fp32 has no master copy: 8 Psi
 - step (fp32 grad) 4 Psi / n' at the optimizer step (ZeRO 0 fp32: 0); activations are freed by then
 - reduce bucket    ZeRO 1-2: 5e8 b (DeepSpeed's reduce_bucket_size, allocated whole); ZeRO 3: 5e8 b
-                   plus min(1e9, Phi) b of gathered parameters (stage3_max_live_parameters)
+                   plus min(1e9, Phi) b (n - 1) / n of gathered parameters (stage3_max_live_parameters)
 - activations      no checkpointing: L T A + T B; checkpointing: L T H b + T B + T A (one layer
                    recomputed), with, per token, A = (4b + 8) H + 4b I + 2b a d + 2b k' d + 4a + 8
                    (two RMSNorms keeping fp32 copies, q / attention output, k and v, SwiGLU's four
@@ -163,8 +163,8 @@ def training_state(psi: int, phi: int, zero: int, ranks: int, b: int) -> dict[st
     grads = psi * b // (ranks if zero >= 2 else 1)
     optimizer = (8 * psi if (zero == 0 and b == 4) else 12 * psi) // n
     bucket = REDUCE_BUCKET * b if zero >= 1 else 0
-    if zero == 3:
-        bucket += min(LIVE_PARAMETERS, phi) * b
+    if zero == 3:  # the parameters gathered from the other ranks' shards while a module runs
+        bucket += min(LIVE_PARAMETERS, phi) * b * (ranks - 1) // ranks
     return {
         "weights": phi * b // (ranks if zero == 3 else 1),
         "gradients": grads,
