@@ -45,3 +45,19 @@ def test_deepspeeds_engine_refuses_keywords_its_methods_do_not_take():
     zero = standins.zero_engine(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="unexpected keyword argument 'pin'"):
         zero.offload_states(pin=True)
+
+
+def test_the_worker_extension_is_called_as_both_model_runners_reload_and_clashes_with_no_worker_method():
+    import inspect
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as RunnerV1
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from actors.vllm_worker import WeightReceiver
+
+    # the stand-in worker's runner is V1's; a GPU may run V2 (config/vllm.py, use_v2_model_runner): same call
+    assert inspect.signature(RunnerV1.reload_weights) == inspect.signature(RunnerV2.reload_weights)
+    ours = [name for name in vars(WeightReceiver) if not name.startswith("_")]
+    assert ours and not [name for name in ours if hasattr(Worker, name) or hasattr(CPUWorker, name)]
