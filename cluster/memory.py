@@ -24,8 +24,11 @@ heads of ``d`` dims, ``L`` layers, ``c`` log-prob chunk tokens. One line per ter
 - logits           2 T V b: the LM head's output at the scored positions, kept for the backward, and
                    its gradient (``learner/head.py`` runs the head on those positions in every layout)
 - logits chunk     4 c V 4: fp32 [c, V] temporaries of the chunked log-prob / entropy
-- mask             dense attention: R Lr^2 of the micro-batch being run (bool for sdpa, b for eager),
-                   Lr the row length; one micro-batch is packed at a time (``learner/rank_batch.py``)
+- mask             dense attention: R Lr^2 elements for the micro-batch being run (Lr the row length;
+                   one micro-batch is packed at a time, ``learner/rank_batch.py``): bool for sdpa, which
+                   turns it into the compute dtype at every call and saves that copy for the backward:
+                   + L R Lr^2 b (checkpointing: + R Lr^2 b, one layer at a time); b for eager (whose
+                   [R, a, Lr, Lr] attention probabilities per layer are not counted here)
 - frozen model     Phi b (a reference model next to the trained one)
 - engine share     u M: vLLM claims gpu_memory_utilization x device memory and fits in it the weights
                    Phi b / t (t tensor-parallel GPUs), its profile peak (8192 batched tokens x (2 I +
@@ -193,6 +196,13 @@ def activation_bytes(shape: ModelShape, tokens: int, b: int, checkpointing: bool
 def logits_bytes(vocab: int, tokens: int, b: int) -> int:
     """2 T V b: the scored positions' logits and their gradient (module docstring: logits)."""
     return 2 * tokens * vocab * b
+
+
+def mask_bytes(elements: int, b: int, layers: int, checkpointing: bool, sdpa: bool) -> int:
+    """A dense mask of ``elements`` R Lr^2 and, for sdpa, the compute-dtype copy each layer saves (docstring)."""
+    if not sdpa:
+        return elements * b  # eager's additive mask
+    return elements + elements * b * (1 if checkpointing else layers)
 
 
 def chunk_bytes(vocab: int, chunk: int) -> int:

@@ -34,6 +34,7 @@ from cluster.memory import (
     known_shape,
     layer_activation_bytes,
     logits_bytes,
+    mask_bytes,
     over,
     shape_of,
     training_state,
@@ -182,9 +183,9 @@ def policy_terms(
              "learner.logprob_chunk_tokens"),
     ]  # fmt: skip
     if dense:
-        mask = _mask_bytes(learner, tokens, longest, b)
+        mask = mask_bytes(_mask_elements(learner, tokens, longest), b, shape.layers, ckpt, sdpa)
         flash = "learner.attention (flash_attention_2: pip install flash-attn)"
-        backward.append(Term(p, "attention mask of the micro-batch", mask, flash))
+        backward.append(Term(p, "attention mask of the micro-batch (and sdpa's copies)", mask, flash))
     step = [Term(p, "fp32 gradients at the step", st["step"], zero)]
     return stays, backward, step
 
@@ -217,18 +218,17 @@ def _bytes(cfg: TandemConfig) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
-def _mask_bytes(learner: LearnerConfig, tokens: int, longest: int, b: int) -> int:
-    """The largest [R, 1, Lr, Lr] mask one micro-batch of ``tokens`` can carry (``learner/rank_batch.py`` packs
-    one at a time): n sequences of l tokens, n = tokens // l >= 2 (one sequence runs without a mask), l = the
-    longest or half the budget, in rows of Lr = max(l, learner.pack_row_tokens) (``learner/packing.py``
-    assign_rows): R Lr^2 elements, bool for sdpa, the compute dtype for eager."""
+def _mask_elements(learner: LearnerConfig, tokens: int, longest: int) -> int:
+    """R Lr^2 of the largest [R, 1, Lr, Lr] mask one micro-batch of ``tokens`` can carry (``learner/rank_batch.py``
+    packs one at a time): n sequences of l tokens, n = tokens // l >= 2 (one sequence runs without a mask), l = the
+    longest or half the budget, in rows of Lr = max(l, learner.pack_row_tokens) (``learner/packing.py``)."""
     row, worst = learner.pack_row_tokens, 0
     for length in {longest, min(longest, tokens // 2)}:
         n = tokens // max(length, 1)
         if n >= 2:
             width = length if row is None else max(row or tokens, length)
             worst = max(worst, math.ceil(n * length / width) * width * width)
-    return worst * (b if learner.attention == "eager" else 1)
+    return worst
 
 
 def _engine_terms(cfg: TandemConfig, shape: ModelShape, device: int) -> tuple[list[Term], EngineShare]:

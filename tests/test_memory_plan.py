@@ -26,6 +26,7 @@ from cluster.memory import (
     known_shape,
     layer_activation_bytes,
     logits_bytes,
+    mask_bytes,
     shape_of,
     training_state,
 )
@@ -215,7 +216,8 @@ def test_the_mask_term_is_the_largest_one_micro_batch_carries():
     dapo = load_config(ROOT / "configs/recipes/math-dapo-1node.yaml")
     _, backward, _ = policy_terms(dapo.learner, KNOWN_SHAPES["1.5B"], 2, "bfloat16", 9216, dense=True)
     mask = next(t.bytes for t in backward if "mask" in t.name)
-    assert mask == 3 * 9216 * 9216  # 32768 // 9216 = 3 sequences, one row each: 3 x 9216^2 bool
+    # 32768 // 9216 = 3 sequences, one row each: 3 x 9216^2 bool, and (checkpointing) one layer's bf16 copy
+    assert mask == 3 * 9216 * 9216 * (1 + 2)
     _, backward, _ = policy_terms(dapo.learner, KNOWN_SHAPES["1.5B"], 2, "bfloat16", 9216, dense=False)
     assert not any("mask" in t.name for t in backward)  # flash-attention's varlen kernel takes none
 
@@ -237,3 +239,28 @@ def test_an_unknown_model_shape_option_is_refused_before_anything_prints(capsys)
     assert out == "" and "--model-shape 13B: neither a Qwen2.5 size" in err
     assert main(["plan", "--config", recipe, "--model-shape", "7B"]) == 2  # 7B on 4 ZeRO-2 ranks: 97 GiB
     assert "turn learner.zero_stage" in capsys.readouterr().err
+
+
+def test_sdpa_saves_a_compute_dtype_copy_of_the_bool_mask_in_every_layer():
+    """torch's sdpa turns a bool mask into the query's dtype at each call, and each layer keeps that copy for its
+    backward: L x R Lr^2 x b beside the bool mask itself (the plan's mask term), here 3 x 512^2 x 2 B."""
+    from transformers import AutoModelForCausalLM
+
+    s = ModelShape(vocab=300, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, tied=True)
+    model = AutoModelForCausalLM.from_config(_hf_config(s), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.train()
+    seq = torch.arange(512) // 256  # two sequences of 256 tokens in one row: a block-diagonal causal mask
+    mask = (seq[:, None] == seq[None, :]) & (torch.arange(512)[None, :] <= torch.arange(512)[:, None])
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.shape == (1, 1, 512, 512):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        position = (torch.arange(512) % 256)[None]
+        model.model(input_ids=torch.ones(1, 512, dtype=torch.long), position_ids=position,
+                    attention_mask=mask[None, None], use_cache=False)  # fmt: skip
+    copies = mask_bytes(512 * 512, 2, s.layers, checkpointing=False, sdpa=True) - 512 * 512  # less the bool input
+    assert sum(saved.values()) == copies == 3 * 512 * 512 * 2
