@@ -19,9 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import learner.rank_batch
+import tests.test_learner_group
 from learner.head import logits_bytes, scored_logits
 from learner.packing import pack_range, packed_completion_logprobs
 from tests.reference_batch import rank_batch
+from tests.standins import deepspeed_engine
 from tests.test_learner_group import batches, fake_group
 from tests.test_packing import SHAPES, _random_seqs
 from tests.tolerance import PACKED_LOGPROB_ATOL, reduction_rtol
@@ -89,6 +91,20 @@ def test_a_multi_row_sdpa_step_makes_no_logits_for_unscored_positions(mha_model_
     assert seen.rows and max(seen.rows) <= largest, (max(seen.rows), largest)
 
 
+def _forgetful_engine(module, lr: float):
+    """The fake DeepSpeed engine (``tests/standins.py``), less its mock's record of every call: that record
+    holds each forward's arguments, every micro-batch's mask with them, which DeepSpeed does not."""
+    engine = deepspeed_engine(module, lr)
+    forward = engine.side_effect
+
+    def call(*args, **kwargs):
+        engine.reset_mock()  # the calls recorded so far, this one's too; side effects and return values stay
+        return forward(*args, **kwargs)
+
+    engine.side_effect = call
+    return engine
+
+
 def test_rank_batch_holds_one_mask_at_a_time(tiny_model_dir, monkeypatch):
     # Scoring (old log-probs: 2 epochs) and training of one step: when a micro-batch is packed, no
     # mask of an earlier one is alive. Before, RankBatch packed them all up front (every mask alive at once).
@@ -104,6 +120,7 @@ def test_rank_batch_holds_one_mask_at_a_time(tiny_model_dir, monkeypatch):
 
     refs: list = []
     monkeypatch.setattr(learner.rank_batch, "pack_range", counting)
+    monkeypatch.setattr(tests.test_learner_group, "PlainEngine", _forgetful_engine)
     group = fake_group(tiny_model_dir, "learner.token_budget=40", "algorithm.loss.epochs=2")
     asyncio.run(group.train_step(batches()))
     assert max(alive_at_pack) == 0, alive_at_pack
@@ -264,6 +281,7 @@ from learner.packing import packed_completion_logprobs
 from learner.worker import deepspeed_config
 from learner.config import LearnerConfig
 from tests.reference_batch import rank_batch
+from tests.standins import deepspeed_engine
 from tests.test_packing import SHAPES, _random_seqs
 from tests.tolerance import PACKED_LOGPROB_ATOL
 from deepspeed.utils import safe_get_full_grad
