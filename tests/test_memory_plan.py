@@ -4,9 +4,9 @@ measured on the CPU, the recipes at 80 GiB, and the one-line refusals of ``tande
 Parameters, AdamW's states and LoRA's adapters are counted on meta tensors of the real shapes (0.5B, 7B):
 exact. Activations are counted on a tiny real Qwen2 (a shape other than the one the coefficients were
 read from) as the unique storages autograd saves (``saved_tensors_hooks``), on the CPU's sdpa: within 2%
-(the coefficients are per element; what is left is the few scalars autograd also saves). A GPU kernel
-saves what flash-attention saves (q, k, v, out, lse: the same terms) or, sdpa with a dense mask, k and v
-repeated to every query head (the plan's k' = a); that difference is not measured here.
+without a mask (the coefficients are per element; what is left is the few scalars autograd also saves), and
+exactly with a packed block mask (k and v repeated to every head, the mask's per-layer copy). A GPU's
+flash-attention saves the same tensors as the unmasked case (q, k, v, out, lse); that is not measured here.
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def test_an_unknown_model_shape_option_is_refused_before_anything_prints(capsys)
 
 def test_sdpa_saves_a_compute_dtype_copy_of_the_bool_mask_in_every_layer():
     """torch's sdpa turns a bool mask into the query's dtype at each call, and each layer keeps that copy for its
-    backward: L x R Lr^2 x b beside the bool mask itself (the plan's mask term), here 3 x 512^2 x 2 B."""
+    backward: L x R Lr^2 x b beside the bool mask itself (the plan's mask term), here 3 x 512^2 x 2 B; and the
+    rest of what autograd saves is the activations with k and v at every query head, exactly."""
     from transformers import AutoModelForCausalLM
 
     s = ModelShape(vocab=300, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, tied=True)
@@ -251,11 +252,15 @@ def test_sdpa_saves_a_compute_dtype_copy_of_the_bool_mask_in_every_layer():
     model.train()
     seq = torch.arange(512) // 256  # two sequences of 256 tokens in one row: a block-diagonal causal mask
     mask = (seq[:, None] == seq[None, :]) & (torch.arange(512)[None, :] <= torch.arange(512)[:, None])
-    saved: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, everything = {}, {}
 
     def pack(t):
+        ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
         if t.shape == (1, 1, 512, 512):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            saved[ptr] = nbytes
+        if ptr not in params:
+            everything[ptr] = nbytes
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -264,3 +269,5 @@ def test_sdpa_saves_a_compute_dtype_copy_of_the_bool_mask_in_every_layer():
                     attention_mask=mask[None, None], use_cache=False)  # fmt: skip
     copies = mask_bytes(512 * 512, 2, s.layers, checkpointing=False, sdpa=True) - 512 * 512  # less the bool input
     assert sum(saved.values()) == copies == 3 * 512 * 512 * 2
+    # with a mask transformers repeats k and v to every query head before sdpa (use_gqa_in_sdpa): k' = a
+    assert sum(everything.values()) == activation_bytes(s, 512, 2, False, dense_sdpa=True) + copies
