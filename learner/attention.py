@@ -24,11 +24,12 @@ stays, on GPUs too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 IMPLEMENTATIONS = ("flash_attention_2", "sdpa", "eager")  # transformers' attn_implementation names
 CHOICES = ("auto", *IMPLEMENTATIONS)  # learner.attention
 FLASH_DTYPES = ("bfloat16", "float16")  # flash_attn kernels take half-precision activations only
+FLASH_INSTALL = "pip install -e '.[flash]' --no-build-isolation"  # the flash extra (docs/configuration.md)
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,19 @@ class Attention:
 
     implementation: str  # ``attn_implementation=`` for ``from_pretrained``
     varlen: bool  # True: no mask tensor, one row per micro-batch; False: a dense block mask
+    fallback: str = field(default="", compare=False)  # why ``auto`` did not pick flash_attention_2 ("": it did)
 
     @property
     def mask(self) -> str:
         """``none`` (varlen), ``bool`` (sdpa) or ``additive`` (eager, in the compute dtype)."""
         return "none" if self.varlen else ("bool" if self.implementation == "sdpa" else "additive")
+
+    def describe(self) -> str:
+        """What a rank's start-up line says: the kernel, its mask, and on a GPU why ``auto`` fell back
+        to the dense mask, e.g. ``sdpa attention (bool mask; auto: flash_attn does not import: pip
+        install -e '.[flash]' --no-build-isolation)``."""
+        why = self.fallback + (f": {FLASH_INSTALL}" if "flash_attn" in self.fallback else "")
+        return f"{self.implementation} attention ({self.mask} mask{f'; auto: {why}' if why else ''})"
 
 
 def select_attention(requested: str, cuda: bool, flash_attn: bool, dtype: str) -> Attention:
@@ -63,7 +72,9 @@ def select_attention(requested: str, cuda: bool, flash_attn: bool, dtype: str) -
         if not ok
     ]
     if requested == "auto":
-        return Attention("flash_attention_2", varlen=True) if not missing else Attention("sdpa", varlen=False)
+        if not missing:
+            return Attention("flash_attention_2", varlen=True)
+        return Attention("sdpa", varlen=False, fallback="; ".join(missing) if cuda else "")  # a CPU has no choice
     if requested == "flash_attention_2":
         if missing:
             raise ValueError(

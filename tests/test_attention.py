@@ -34,6 +34,21 @@ def test_auto_falls_back_to_sdpa_with_a_dense_mask(missing):
     assert choice == Attention("sdpa", varlen=False) and choice.mask == "bool"
 
 
+def test_the_start_up_line_says_which_kernel_runs_and_why_auto_fell_back_on_a_gpu():
+    # what a rank prints at start-up (learner/worker.py's ready line): the kernel and its mask, and on a GPU
+    # without flash-attn the reason and the command that installs it (review B6: sdpa ran unannounced)
+    assert select_attention("auto", **GPU_BF16).describe() == "flash_attention_2 attention (none mask)"
+    assert select_attention("auto", **{**GPU_BF16, "flash_attn": False}).describe() == (
+        "sdpa attention (bool mask; auto: flash_attn does not import: pip install -e '.[flash]' --no-build-isolation)"
+    )
+    on_fp32 = select_attention("auto", **{**GPU_BF16, "dtype": "float32"}).describe()
+    assert on_fp32 == "sdpa attention (bool mask; auto: model.dtype is float32, not bfloat16/float16)"
+    assert select_attention("auto", cuda=False, flash_attn=False, dtype="float32").describe() == (
+        "sdpa attention (bool mask)"  # a CPU has nothing to choose
+    )
+    assert select_attention("eager", **GPU_BF16).describe() == "eager attention (additive mask)"  # asked for
+
+
 def test_forced_flash_attention_2_runs_where_it_can():
     assert select_attention("flash_attention_2", **GPU_BF16) == Attention("flash_attention_2", varlen=True)
 
