@@ -7,6 +7,7 @@ read from) as the unique storages autograd saves (``saved_tensors_hooks``), on t
 without a mask (the coefficients are per element; what is left is the few scalars autograd also saves), and
 exactly with a packed block mask (k and v repeated to every head, the mask's per-layer copy). A GPU's
 flash-attention saves the same tensors as the unmasked case (q, k, v, out, lse); that is not measured here.
+A whole forward and backward of the learner's path (chunked log-probs) peaks under the plan and within 35%.
 """
 
 from __future__ import annotations
@@ -271,3 +272,37 @@ def test_sdpa_saves_a_compute_dtype_copy_of_the_bool_mask_in_every_layer():
     assert sum(saved.values()) == copies == 3 * 512 * 512 * 2
     # with a mask transformers repeats k and v to every query head before sdpa (use_gqa_in_sdpa): k' = a
     assert sum(everything.values()) == activation_bytes(s, 512, 2, False, dense_sdpa=True) + copies
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_real_forward_and_backward_peaks_under_the_plan_and_near_it(checkpointing):
+    """The learner's path on a small Qwen2 (CPU, bf16): the LM head on the scored positions, the chunked log-probs
+    and entropy (``learner/logprobs.py``), the backward; torch's MemTracker records the peak of every tensor. The
+    plan sums the backward's transients (one layer's gradients, the chunk temporaries, every weight gradient) as
+    if they were all alive at once, which they are not quite: it may be above the peak, by at most 35% here
+    (measured 12% without checkpointing, 27% with it, where the layer inputs are small beside the rest)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoModelForCausalLM
+
+    from learner.logprobs import token_entropy, token_logprobs
+
+    s = ModelShape(vocab=8192, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=352, tied=True)
+    tokens, chunk = 1024, 128
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config(s), dtype=torch.bfloat16, attn_implementation="sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, s.vocab, (1, tokens))
+    tracker = MemTracker()
+    tracker.track_external(model, ids)
+    with tracker:
+        kept = torch.arange(tokens - 1)  # every position but the last predicts a scored token
+        logits = model(input_ids=ids, position_ids=torch.arange(tokens)[None], logits_to_keep=kept, use_cache=False)
+        logits = logits.logits[0]  # [T - 1, V]
+        token_entropy(logits.detach(), chunk)
+        (-token_logprobs(logits, ids[0, 1:], chunk).sum()).backward()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    predicted = 2 * s.params * 2 + activation_bytes(s, tokens, 2, checkpointing)  # weights and their gradients
+    predicted += tokens * layer_activation_bytes(s, 2) + logits_bytes(s.vocab, tokens, 2) + chunk_bytes(s.vocab, chunk)
+    assert measured <= predicted <= 1.35 * measured, (measured, predicted)
