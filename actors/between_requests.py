@@ -189,7 +189,7 @@ class BetweenRequests:
         async with self.turns.asleep():
             if self.turns.level:  # (the span: only what the engine does, not the wait for a running call)
                 with self.spans.span("sleep", self.clock.version):
-                    # no pause mode: the in-process engine refuses any but its default, and nothing runs now
+                    # the default pause mode ("abort"): nothing runs now (the in-process engine refuses only "wait")
                     await self.on_engine(self.llm.sleep, self.turns.level)
 
     async def wake(self, channel: WeightReceiver, min_version: int, timeout: float) -> int:
