@@ -20,6 +20,11 @@ so the model's own ``post`` runs on ``[1, N, V]`` and the result is the varlen p
 where a completion token is predicted, for every layout. The backward of the row selection writes
 ``[R * Lr, H]`` (hidden-sized), never a vocabulary-sized tensor. A model whose forward does not pass
 the ``[R, Lr, H]`` hidden states to its output embedding is refused in one line.
+
+What remains is the varlen path's cost: the ``[1, N, V]`` logits and their gradient, ``2 N V b`` bytes
+(``logits_bytes``). A head applied ``learner.logprob_chunk_tokens`` rows at a time, recomputed in the
+backward, would remove them; it is not done here: under ZeRO-3 every chunk would gather the head's
+weight again, and the model type's ``post`` would have to be written out per model type.
 """
 
 from __future__ import annotations

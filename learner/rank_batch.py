@@ -9,9 +9,10 @@ columns; ``view`` hands those to the loss on the rank's device.
 
 The micro-batches themselves are only planned here (``MicroBatch``: a range of sequences). Each is
 packed onto the device when a pass reaches it (``packed``), and released before the next is packed:
-a dense block mask is ``[R, 1, Lr, Lr]`` (a DAPO-sized shard's ~48 of them held together came to
-~16 GB), so the rank holds one at a time. Packing is a pure function of the shard, so a micro-batch
-packed again (every scoring and training pass) is the same tensors.
+a dense block mask is ``[R, 1, Lr, Lr]`` (held together, the ~48 of a rank in the DAPO recipe come
+to ~16 GB by the outside review's arithmetic), so the rank holds one at a time. Packing is a pure
+function of the shard, so a micro-batch packed again (every scoring and training pass) is the same
+tensors.
 """
 
 from __future__ import annotations
