@@ -206,17 +206,21 @@ def engine_choices(vllm_config, worker: dict | None) -> EngineChoices:
 
 
 def describe_choices(choices: EngineChoices, pinned: bool) -> str:
-    """The ready line's part on what vLLM chose; ``pinned``: Tandem turned async scheduling off."""
+    """The ready line's part on what vLLM chose; ``pinned``: Tandem turned async scheduling off and
+    asked for the V1 runner (the in-flight engine on a GPU)."""
     scheduling = {True: "on", False: "off", None: "unknown"}[choices.async_scheduling]
     if pinned and choices.async_scheduling is False:
         scheduling += f": {IN_FLIGHT_PROVEN}"
+    runner = choices.model_runner or "unknown"
+    if pinned and choices.model_runner == "V1":  # actors/environment.py proven_runner_env
+        runner += f": {IN_FLIGHT_PROVEN.replace('without', 'with')}"
     kv = []
     if choices.kv_cache_bytes is not None:
         kv.append(f"{choices.kv_cache_bytes / 2**30:.2f} GiB per shard")
     if choices.kv_cache_blocks is not None:
         kv.append(f"{choices.kv_cache_blocks} blocks of {choices.block_size} tokens")
     return (
-        f"async scheduling {scheduling}; model runner {choices.model_runner or 'unknown'}; "
+        f"async scheduling {scheduling}; model runner {runner}; "
         f"KV cache {', '.join(kv) or 'unknown'}; attention {choices.attention or 'unknown'}"
     )
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from actors.adapters import AdapterSpec
+from actors.environment import proven_runner_env
 from cluster import reaper
 from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
 from launch.config import ModelConfig, TandemConfig
@@ -214,7 +215,9 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         adapter=adapter_spec(cfg),
         sleep_level=engine_sleep_level(cfg),
     )
-    env = {**actor_environment(cfg, index), **cfg.weights.process_env}  # an actor is in the weight group
+    # an actor is in the weight group; an in-flight engine on a GPU runs the model runner it was proven on
+    env = {**actor_environment(cfg, index), **cfg.weights.process_env, **proven_runner_env(
+        cfg.resources.actors.num_gpus, cfg.rollout.weight_update)}  # fmt: skip
     return Actor.options(**ray_options(kind, env, scheduling[name])).remote(spec)
 
 

@@ -364,19 +364,21 @@ def test_the_ready_line_of_a_gpu_engine_says_what_vllm_chose_and_why_async_sched
     weight_update, monkeypatch, capsys
 ):
     # vLLM 0.32 on a GPU turns async scheduling on and picks Model Runner V2 (config/vllm.py); the in-flight
-    # engine is built with async_scheduling=False (engine_kwargs), so its config says off, and the line says why
+    # engine is built with async_scheduling=False (engine_kwargs) and VLLM_USE_V2_MODEL_RUNNER=0 (its actor's
+    # environment, actors/environment.py), so its config says off and V1, and the line says why
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     inflight = weight_update == "inflight"
     config = standins.vllm_config(
-        async_scheduling=not inflight, v2_runner=True, kv_blocks=23405, block_size=16, attention="FLASH_ATTN", layers=28
+        async_scheduling=not inflight, v2_runner=not inflight, kv_blocks=23405, block_size=16, attention="FLASH_ATTN", layers=28
     )
     worker = standins.worker(config, kv_bytes=GPU_KV_BYTES)
     engine = (standins.async_llm if inflight else standins.llm)(worker, tokenizer=FakeTokenizer())
     spec = actor_spec("fake", None, "builtin:echo", weight_update=weight_update)
     report = asyncio.run(GenerationActor(spec, engine).ready())
     chosen = (report["async_scheduling"], report["model_runner"], report["attention"])
-    assert chosen == (not inflight, "V2", "FLASH_ATTN")
+    assert chosen == (not inflight, "V1" if inflight else "V2", "FLASH_ATTN")
     assert (report["kv_cache_bytes"], report["kv_cache_blocks"], report["block_size"]) == (GPU_KV_BYTES, 23405, 16)
     scheduling = "off: in-flight updates are proven only without it" if inflight else "on"
-    chose = f"vLLM chose: async scheduling {scheduling}; model runner V2; KV cache 20.00 GiB per shard, 23405 blocks"
+    runner = "V1: in-flight updates are proven only with it" if inflight else "V2"
+    chose = f"vLLM chose: async scheduling {scheduling}; model runner {runner}; KV cache 20.00 GiB per shard, 23405"
     assert chose in capsys.readouterr().out

@@ -198,3 +198,7 @@ def test_the_weight_groups_processes_raise_on_a_missed_nccl_deadline_instead_of_
         build.generation_actor(cfg, plan, "m", run, {name: None for name in plan.actors.names()}, 0)
         assert got.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected  # 2: abort the communicator, raise
     assert load_config(None, REQUIRED + ON_GPUS + NCCL).weights.process_env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    got.clear()  # and an in-flight GPU engine's actor asks vLLM for the model runner in-flight updates ran on
+    cfg = load_config(None, REQUIRED + ON_GPUS + ["rollout.weight_update=inflight"])
+    build.generation_actor(cfg, build_plan(cfg), "m", run, {name: None for name in build_plan(cfg).actors.names()}, 0)
+    assert got.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
