@@ -366,6 +366,8 @@ async def _start_ranks(
     for name, info in zip(names, infos):
         run.process(name, info)
         process_names[info["actor_id"]] = name
+    if "policy" in roles and "attention" in infos[0]:
+        run.say(f"learner: {infos[0]['attention']}")  # which kernel trains, and on a GPU why auto fell back
     if cfg.learner.lora is not None and "lora" in infos[0]:
         from learner.lora import describe_lora
 

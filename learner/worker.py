@@ -148,6 +148,7 @@ class LearnerWorker:
             "pid": os.getpid(),
             "node": context.get_node_id(),
             "actor_id": context.get_actor_id(),
+            "attention": attention.describe(),  # rank 0's is said on the console
             **({"lora": self.lora} if self.lora else {}),
         }
 
@@ -193,7 +194,7 @@ class LearnerWorker:
         print(
             f"[{'learner' if models.policy else roles[0]} {self.rank}/{self.world_size}] ready: "
             f"{'+'.join(roles)}, {spec.algorithm.name}, ZeRO-{self.zero_stage}, {spec.dtype}, "
-            f"{attention.implementation} attention ({attention.mask} mask)",
+            f"{attention.describe()}",
             flush=True,
         )
 

@@ -79,6 +79,11 @@ def write_config(root: Path, config: dict[str, Any], first_step: int) -> None:
     (root / "config.yaml").write_text(text)
 
 
+# What processes.json keeps of a process's ready report: where it runs, and what vLLM chose for an
+# actor's engine (actors/spec.py EngineChoices) or which attention kernel a learner rank runs.
+PROCESS_KEYS = ("pid", "node", "async_scheduling", "model_runner", "kv_cache_bytes", "kv_cache_blocks",
+                "block_size", "attention")  # fmt: skip
+
 class RunLog:
     """The run directory while a run trains: its JSONL record, the trackers (``run.trackers``) and
     the progress the user sees (``run.live``). ``settings`` is the run section (default: read from
@@ -167,8 +172,8 @@ class RunLog:
         return cls(root, total_steps, first_step=first_step, settings=settings, config=config)
 
     def process(self, name: str, info: dict[str, Any]) -> None:
-        """Record a started process (pid, node) in ``processes.json``."""
-        self.processes[name] = {k: info[k] for k in ("pid", "node") if k in info}
+        """Record a started process (pid, node, and what its engine or kernel chose) in ``processes.json``."""
+        self.processes[name] = {k: info[k] for k in PROCESS_KEYS if k in info}
         self.placement[name] = info.get("node", "?")
         (self.root / "processes.json").write_text(json.dumps(self.processes, indent=1))
 

@@ -82,3 +82,10 @@ def test_a_rejection_rule_that_drops_every_token_is_said_and_stops_the_run(tmp_p
     assert "(by rule: token_k2 100%); widen the rules' low/high bounds or remove a rule" in log
     assert "no token was trained for 2 steps in a row (run.max_empty_steps)" in log
     assert read_summary(out)["status"] == "failed"
+    # what each process chose is on record (issue 37): the learner's kernel on the console, the engine's in
+    # processes.json (the CPU's vLLM: async scheduling off, model runner V1, the configured 1 GiB of KV cache)
+    assert "learner: sdpa attention (bool mask)" in log
+    processes = json.loads((run_dir(out) / "processes.json").read_text())
+    engine = processes["actor-0"]
+    assert (engine["async_scheduling"], engine["model_runner"], engine["kv_cache_bytes"]) == (False, "V1", 1 << 30)
+    assert processes["learner-0"]["attention"] == "sdpa attention (bool mask)"
