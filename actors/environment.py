@@ -15,13 +15,6 @@ from actors.config import ActorPlacement, EngineConfig
 INDUCTOR_CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "inductor"
 
 
-def proven_runner_env(num_gpus: float, weight_update: str) -> dict[str, str]:
-    """vLLM's V1 model runner for the in-flight engine on a GPU, where vLLM would pick V2 (wherever
-    Triton runs): every in-flight update so far (pause ``keep``, load, per-token versions) ran on the
-    CPU, whose vLLM has no Triton and runs V1. The ready line says which runner runs, and why."""
-    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if num_gpus and weight_update == "inflight" else {}
-
-
 def reward_model_env(num_cpus: float) -> dict[str, str]:
     """A reward model actor: one torch thread per reserved core (as a learner rank)."""
     return {"OMP_NUM_THREADS": str(max(1, int(num_cpus))), "TOKENIZERS_PARALLELISM": "false"}

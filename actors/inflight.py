@@ -16,6 +16,7 @@ all its tokens carry that adapter's version.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from typing import Any
@@ -33,6 +34,7 @@ from actors.spec import (
     engine_choices,
     engine_kwargs,
     engine_prompt,
+    proven_runner_env,
     sampling_params,
     turn_params,
 )
@@ -58,6 +60,7 @@ class InFlight:
             from vllm.v1.engine.async_llm import AsyncLLM
 
             check_sleep_mode(self.spec.sleep_level)
+            os.environ.update(proven_runner_env(self.spec, _cuda()))  # read by vLLM here and in its engine
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.spec)))
         await self.llm.update_weight_version(str(self.clock.version))  # the label of the first tokens
         self.tokenizer = self.llm.tokenizer

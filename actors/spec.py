@@ -90,6 +90,14 @@ def proven_scheduling(spec: ActorSpec, cuda: bool) -> dict[str, Any]:
     return {"async_scheduling": False} if cuda and spec.rollout.weight_update == "inflight" else {}
 
 
+def proven_runner_env(spec: ActorSpec, cuda: bool) -> dict[str, str]:
+    """vLLM's V1 model runner wherever ``proven_scheduling`` turns async scheduling off (vLLM 0.32 picks
+    V2 wherever Triton runs): every in-flight update so far ran on the CPU, whose vLLM has no Triton and
+    runs V1. vLLM reads the variable from the environment (``envs.VLLM_USE_V2_MODEL_RUNNER``), in the
+    actor and in the engine processes it starts, so the in-flight engine sets it before it builds them."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if proven_scheduling(spec, cuda) else {}
+
+
 MIN_PREFILL_TOKENS = 8192  # tokens per engine step on the CPU: vLLM's CPU default is 4096
 
 
@@ -212,7 +220,7 @@ def describe_choices(choices: EngineChoices, pinned: bool) -> str:
     if pinned and choices.async_scheduling is False:
         scheduling += f": {IN_FLIGHT_PROVEN}"
     runner = choices.model_runner or "unknown"
-    if pinned and choices.model_runner == "V1":  # actors/environment.py proven_runner_env
+    if pinned and choices.model_runner == "V1":  # proven_runner_env
         runner += f": {IN_FLIGHT_PROVEN.replace('without', 'with')}"
     kv = []
     if choices.kv_cache_bytes is not None:

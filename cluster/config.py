@@ -13,13 +13,6 @@ from pydantic import Field
 from cluster.channel import WEIGHT_BACKENDS
 from schema import Section
 
-# NCCL's watchdog tears the whole process down when an operation misses its timeout (torch's
-# default, TORCH_NCCL_ASYNC_ERROR_HANDLING=3): a stalled actor would kill learner rank 0 before the
-# push's own deadline could raise the error naming it. 2 aborts the communicator only, and the
-# waiting call raises.
-NCCL_ERRORS_RAISE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
 class WeightsConfig(Section):
     backend: Literal[WEIGHT_BACKENDS] = Field(  # type: ignore[valid-type]
         "ray",
@@ -48,10 +41,3 @@ class WeightsConfig(Section):
                 f"weights.process_group = nccl with resources.actors.tensor_parallel = {receiver_devices} receives "
                 f"the whole model on each engine's first GPU, outside vLLM's memory budget: {fix}"
             )
-
-    @property
-    def process_env(self) -> dict[str, str]:
-        """Environment of the processes in the weight group (learner ranks, generation actors): with
-        NCCL, a missed deadline raises the push's error naming the actor instead of NCCL's watchdog
-        ending the process (``cluster/dist_group.py``)."""
-        return dict(NCCL_ERRORS_RAISE) if self.backend == "distributed" and self.process_group == "nccl" else {}

@@ -288,5 +288,6 @@ class DistPublisher:
         except Exception:
             return  # the store itself is gone: receivers find out from their own connections
         if self._group is not None and not self._error:
-            wait_keys(self._store, [f"bye/{r}" for r in range(1, self.world_size)], timeout)
-            release(self._group)  # a failed push aborted it already
+            said_bye = wait_keys(self._store, [f"bye/{r}" for r in range(1, self.world_size)], timeout)
+            # NCCL's shutdown is a collective finalize: with a receiver gone it would hang, so abort then
+            (release if said_bye else abort)(self._group)  # a failed push aborted it already

@@ -7,6 +7,7 @@ already-initialised default group and its rendezvous times out).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -42,6 +43,28 @@ def address_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
+# NCCL's watchdog tears the whole process down when an operation misses its timeout (torch's default,
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=3): a stalled actor would end learner rank 0 before the push's own
+# deadline could raise the error naming it. 2 aborts the weight group's communicator only, and the
+# waiting call raises. A ProcessGroupNCCL reads the variable when it is built, so it is set around the
+# weight group's construction alone: DeepSpeed's group on the same rank keeps torch's default.
+NCCL_ERRORS_RAISE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def build_group(backend: str, store, rank: int, world_size: int, timeout_s: float, publisher_host: str):
     """A process group of its own over ``store`` (not the default group DeepSpeed uses)."""
     prefixed = dist.PrefixStore("group", store)
@@ -62,7 +85,8 @@ def build_group(backend: str, store, rank: int, world_size: int, timeout_s: floa
             raise RuntimeError("weights backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        with _environment(NCCL_ERRORS_RAISE):  # this group's own error mode; DeepSpeed's group keeps torch's
+            return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     raise ValueError(f"unknown process-group backend {backend!r}; use 'gloo' or 'nccl'")
 
 

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from actors.adapters import AdapterSpec
-from actors.environment import proven_runner_env
 from cluster import reaper
 from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
 from launch.config import ModelConfig, TandemConfig
@@ -215,10 +214,7 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         adapter=adapter_spec(cfg),
         sleep_level=engine_sleep_level(cfg),
     )
-    # an actor is in the weight group; an in-flight engine on a GPU runs the model runner it was proven on
-    env = {**actor_environment(cfg, index), **cfg.weights.process_env, **proven_runner_env(
-        cfg.resources.actors.num_gpus, cfg.rollout.weight_update)}  # fmt: skip
-    return Actor.options(**ray_options(kind, env, scheduling[name])).remote(spec)
+    return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
 
 
 def adapter_spec(cfg: TandemConfig) -> AdapterSpec | None:
@@ -340,7 +336,7 @@ async def _start_ranks(
     world = 1 if roles == ("reference",) else kind.count
     names = kind.names()
     logs = [run.log_path(n) for n in names]
-    env = {**rank_environment(kind), **cfg.weights.process_env}  # rank 0 publishes in the weight group
+    env = rank_environment(kind)
     workers = [
         ray.remote(LearnerWorker)
         .options(**ray_options(kind, env, scheduling[name] if scheduling else None))

@@ -100,11 +100,3 @@ def test_an_eager_cpu_engine_runs_with_dynamo_off():
     assert actor_environment(eager, 0)["TORCHDYNAMO_DISABLE"] == "1"
     assert "TORCHDYNAMO_DISABLE" not in actor_environment(compiled, 0)
 
-
-def test_an_in_flight_engine_on_a_gpu_runs_the_model_runner_it_was_proven_on():
-    """vLLM 0.32 picks Model Runner V2 wherever Triton runs (config/vllm.py use_v2_model_runner); every
-    in-flight update ran on the CPU's V1, so a GPU in-flight actor's environment asks for V1."""
-    from actors.environment import proven_runner_env
-
-    assert proven_runner_env(1, "inflight") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-    assert proven_runner_env(1, "between_requests") == {} and proven_runner_env(0, "inflight") == {}

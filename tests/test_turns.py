@@ -27,7 +27,7 @@ from actors.between_requests import BetweenRequests
 from actors.inflight import InFlight
 from actors.policy_clock import PolicyClock
 from actors.sleep import Turns, check_sleep_mode, sleep_kwargs, sleep_level
-from actors.spec import engine_kwargs
+from actors.spec import engine_kwargs, proven_runner_env
 from cluster.timeline import Spans
 from launch.config import load_config
 from runtime.turns import DeviceTurns
@@ -263,6 +263,26 @@ def test_engine_arguments_are_vllms_and_an_in_flight_gpu_engine_runs_without_asy
     pinned = cuda and weight_update == "inflight"
     assert kwargs.get("async_scheduling", "vLLM's choice") == (False if pinned else "vLLM's choice")
     assert ("gpu_memory_utilization" in kwargs) == cuda and ("kv_cache_memory_bytes" in kwargs) != cuda
+    # and the model runner those updates ran on (V1: vLLM picks V2 on a GPU), from the same condition
+    assert proven_runner_env(gpu_spec, cuda) == ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if pinned else {})
+
+
+def test_the_in_flight_gpu_engine_asks_vllm_for_the_proven_runner_before_building_it(tmp_path, monkeypatch):
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    seen = []
+
+    def build(engine_args):  # what vLLM's config reads when the engine is built (envs.VLLM_USE_V2_MODEL_RUNNER)
+        seen.append(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # restored (removed) after the test
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(build))
+    engine = InFlight(actor_spec("m", None, weight_update="inflight"), PolicyClock(), Spans("a"))
+    with pytest.raises(RuntimeError, match="built"):
+        asyncio.run(engine.start())
+    assert seen == ["0"]
 
 
 def test_colocated_needs_the_actors_and_the_learner_on_the_same_kind_of_device():

@@ -11,6 +11,7 @@ publisher's bounded ring of pack buffers never overwrites a bucket still on the 
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -57,7 +58,7 @@ class LateSendGroup:
     acknowledges the push for receiver 1 (the publisher's transport, minus the network)."""
 
     def __init__(self, publisher: DistPublisher):
-        self.publisher, self.sent, self.aborted = publisher, [], False
+        self.publisher, self.sent, self.aborted, self.ended = publisher, [], False, None
 
     def broadcast(self, buffers, opts):
         (buf,) = buffers
@@ -73,6 +74,10 @@ class LateSendGroup:
 
     def abort(self):
         self.aborted = True
+        self.ended = "abort"
+
+    def shutdown(self):
+        self.ended = "shutdown"
 
 
 def weights(version: int) -> list:
@@ -99,6 +104,21 @@ def test_the_publisher_holds_two_buckets_and_never_overwrites_one_on_the_wire(mo
         assert len(publisher._pack_buffers) == PACK_RING and held <= PACK_RING * bucket  # not 6 buckets' bytes
     finally:
         publisher.close(timeout=0.1)
+
+
+@pytest.mark.parametrize("bye", [True, False])
+def test_closing_shuts_the_group_down_only_when_every_receiver_said_bye(monkeypatch, bye):
+    """NCCL's shutdown finalizes the communicator with every rank: with a receiver gone it would hang at
+    exit, so the group is aborted instead."""
+    monkeypatch.setattr(dist_channel, "build_group", lambda *args: LateSendGroup(publisher))
+    publisher = DistPublisher("127.0.0.1", 0, 2, 10.0, connect_timeout_s=10.0)
+    receiver = dist.TCPStore("127.0.0.1", publisher.port, None, False, timedelta(seconds=5))
+    receiver.set("join/1", "actor-0")
+    publisher.wait_connected()
+    if bye:
+        receiver.set("bye/1", "1")
+    publisher.close(timeout=0.2)
+    assert publisher._group.ended == ("shutdown" if bye else "abort")
 
 
 def test_an_nccl_push_packs_and_sends_on_the_gpu_and_a_lone_tensor_from_its_own_memory(monkeypatch):
@@ -177,28 +197,23 @@ def test_a_broadcast_window_waits_for_the_oldest_operation_before_taking_the_nex
                    "send 3", "done 2", "done 3"]  # fmt: skip
 
 
-def test_the_weight_groups_processes_raise_on_a_missed_nccl_deadline_instead_of_being_torn_down(monkeypatch):
-    import ray
+def test_the_weight_group_alone_raises_on_a_missed_nccl_deadline_instead_of_being_torn_down(monkeypatch):
+    """torch's NCCL watchdog ends the process when an operation misses its timeout (the default error
+    mode, 3); the weight group is built in mode 2 (abort the communicator, raise), read by
+    ProcessGroupNCCL's constructor, so DeepSpeed's group in the same process keeps the default."""
+    import cluster.dist_group as dist_group
 
-    from launch import build
+    built = []
 
-    got = {}
+    class ProcessGroupNCCL:  # the constructor's signature and its Options, as torch's CUDA build has them
+        class Options:
+            pass
 
-    class Remote:
-        def options(self, **options):
-            got.update(options["runtime_env"]["env_vars"])
-            return SimpleNamespace(remote=lambda spec: None)
+        def __init__(self, store, rank, world_size, options):
+            built.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, world_size, options._timeout))
 
-    monkeypatch.setattr(ray, "remote", lambda cls: Remote())
-    run = SimpleNamespace(log_path=lambda name: f"/tmp/{name}.log")
-    for group, expected in (("nccl", "2"), ("gloo", None)):
-        got.clear()
-        cfg = load_config(None, REQUIRED + ON_GPUS + ["weights.backend=distributed", f"weights.process_group={group}"])
-        plan = build_plan(cfg)
-        build.generation_actor(cfg, plan, "m", run, {name: None for name in plan.actors.names()}, 0)
-        assert got.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected  # 2: abort the communicator, raise
-    assert load_config(None, REQUIRED + ON_GPUS + NCCL).weights.process_env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-    got.clear()  # and an in-flight GPU engine's actor asks vLLM for the model runner in-flight updates ran on
-    cfg = load_config(None, REQUIRED + ON_GPUS + ["rollout.weight_update=inflight"])
-    build.generation_actor(cfg, build_plan(cfg), "m", run, {name: None for name in build_plan(cfg).actors.names()}, 0)
-    assert got.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    dist_group.build_group("nccl", dist.HashStore(), 1, 3, 7.0, "127.0.0.1")
+    assert built == [("2", 1, 3, timedelta(seconds=7))]
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # not the rest of the process's groups
