@@ -294,7 +294,8 @@ class EngineConfig(Section):
         description=(
             "How an in-flight actor hands new weights to its engine's process: bytes (a safetensors copy per "
             "update), shared (CUDA IPC or shared-memory handles, no copy through the message); auto: shared "
-            "with a GPU, bytes on the CPU."
+            "with a GPU when /dev/shm has room for the update's host tensors twice over, else bytes (said "
+            "once); bytes on the CPU."
         ),
     )
 

@@ -13,6 +13,7 @@ from pydantic import Field
 from cluster.channel import WEIGHT_BACKENDS
 from schema import Section
 
+
 class WeightsConfig(Section):
     backend: Literal[WEIGHT_BACKENDS] = Field(  # type: ignore[valid-type]
         "ray",

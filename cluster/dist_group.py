@@ -142,7 +142,6 @@ def _end(group, methods: tuple[str, ...]) -> None:
             continue
 
 
-
 def short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

@@ -27,19 +27,22 @@ heads of ``d`` dims, ``L`` layers, ``c`` log-prob chunk tokens. One line per ter
 - mask             dense attention: R Lr^2 elements for the micro-batch being run (Lr the row length;
                    one micro-batch is packed at a time, ``learner/rank_batch.py``): bool for sdpa, which
                    turns it into the compute dtype at every call and saves that copy for the backward:
-                   + L R Lr^2 b (checkpointing: + R Lr^2 b, one layer at a time); b for eager (whose
-                   [R, a, Lr, Lr] attention probabilities per layer are not counted here)
+                   + L R Lr^2 b (checkpointing: + R Lr^2 b, one layer at a time); b for eager, whose
+                   softmax saves its fp32 output and the compute-dtype copy the matmul reads, per layer:
+                   + L a R Lr^2 (4 + b) (checkpointing: one layer's)
 - frozen model     Phi b (a reference model next to the trained one)
 - engine share     u M: vLLM claims gpu_memory_utilization x device memory and fits in it the weights
                    Phi b / t (t tensor-parallel GPUs), its profile peak (8192 batched tokens x (2 I +
                    4 H) b + 1024 sequences x V x 4), CUDA graphs (a 1 GiB allowance unless
-                   enforce_eager) and the KV cache: the rest. KV bytes per token = 2 L k d b / t; it
-                   must hold max_model_len tokens or vLLM refuses to start
+                   enforce_eager) and the KV cache: the rest. KV bytes per token on each GPU =
+                   2 L max(1, k / t) d b (vLLM keeps at least one KV head per GPU); it must hold
+                   max_model_len tokens or vLLM refuses to start
 - sleeping engine  1 GiB per engine asleep at level 1 (weights on the host, KV cache discarded; the
                    CUDA context and what vLLM's allocator does not manage stay)
 - CUDA context     1 GiB per process that uses the GPU (context, cuBLAS workspace, NCCL buffers)
-- weight channel   NCCL: 2 x bucket bytes on the publisher (its pack ring), the whole model Phi b on
-                   the receiving engine's first GPU (its receive buffers, outside vLLM's share)
+- weight channel   NCCL: 2 x bucket bytes on the publisher (its pack ring), twice the model 2 Phi b on
+                   the receiving engine's first GPU (the newest version's receive buffers, kept for the
+                   engine, and the next push's, allocated fresh; outside vLLM's share)
 - /dev/shm (host)  Ray channel, in-flight updates with shared transfer on GPUs: Phi b per actor per
                    update (each engine's copy of the object-store tensors, actors/engine_weights.py)
 
@@ -104,8 +107,9 @@ class ModelShape:
         return self.layers * sum(rank * sum(dims[n]) for n in names if n in dims)
 
     def kv_bytes_per_token(self, b: int, tensor_parallel: int = 1) -> int:
-        """2 (K and V) L k d b / t: one token's KV cache on each of an engine's t GPUs."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * b // tensor_parallel
+        """2 (K and V) L max(1, k / t) d b: one token's KV cache on each of an engine's t GPUs (vLLM
+        replicates a KV head where there are more GPUs than heads)."""
+        return 2 * self.layers * max(1, self.kv_heads // tensor_parallel) * self.head_dim * b
 
 
 def shape_of(config) -> ModelShape:
@@ -200,11 +204,13 @@ def logits_bytes(vocab: int, tokens: int, b: int) -> int:
     return 2 * tokens * vocab * b
 
 
-def mask_bytes(elements: int, b: int, layers: int, checkpointing: bool, sdpa: bool) -> int:
-    """A dense mask of ``elements`` R Lr^2 and, for sdpa, the compute-dtype copy each layer saves (docstring)."""
+def mask_bytes(elements: int, b: int, layers: int, checkpointing: bool, sdpa: bool, heads: int = 0) -> int:
+    """A dense mask of ``elements`` R Lr^2 and, for sdpa, the compute-dtype copy each layer saves; for eager
+    its additive mask and the ``heads`` attention probabilities each layer saves (module docstring: mask)."""
+    saving = 1 if checkpointing else layers
     if not sdpa:
-        return elements * b  # eager's additive mask
-    return elements + elements * b * (1 if checkpointing else layers)
+        return elements * b + saving * heads * elements * (4 + b)
+    return elements + elements * b * saving
 
 
 def chunk_bytes(vocab: int, chunk: int) -> int:
@@ -261,6 +267,6 @@ def over(gpus: list[Gpu], device: int) -> str | None:
             return (
                 f"the plan needs {gib(total)} GiB on the {gpu.label} while {phase}, more than the device's "
                 f"{gib(device)} GiB; the largest part is {big.process} {big.name} ({gib(big.bytes)} GiB): "
-                f"turn {big.knob or 'a smaller plan'}"
+                f"{big.knob or 'choose a smaller plan'}"
             )
     return None

@@ -125,7 +125,7 @@ def rank_environment(kind: ProcessKind) -> dict[str, str]:
 def read_shape(source: str) -> ModelShape | None:
     """A folder's config.json, or a Qwen2.5 size or hub id (``known_shape``); None when neither (or the
     config lacks a field the plan reads)."""
-    config = Path(source) / "config.json"
+    config = Path(source).expanduser() / "config.json"
     if not config.is_file():
         return known_shape(source)
     try:
@@ -165,7 +165,7 @@ def policy_terms(
     lora = learner.lora
     psi = shape.lora_params(lora.rank, lora.target_modules) if lora else shape.params
     st = training_state(psi, shape.params, learner.zero_stage, ranks, b)
-    zero = "learner.zero_stage" if learner.zero_stage < 3 else "resources.learner.ranks"
+    zero = "raise learner.zero_stage" if learner.zero_stage < 3 else "add learner ranks (resources.learner.ranks)"
     p = "learner rank"
     stays = [Term(p, "weights", st["weights"], zero), Term(p, "gradients", st["gradients"], zero),
              Term(p, "optimizer (fp32 master + AdamW moments)", st["optimizer"], zero),
@@ -176,16 +176,18 @@ def policy_terms(
     backward = [
         Term(p, f"activations ({tokens} tokens{', checkpointed' if ckpt else ''})",
              activation_bytes(shape, tokens, b, ckpt, sdpa),
-             "learner.token_budget" if ckpt else "learner.gradient_checkpointing"),
-        Term(p, "backward work (one layer)", tokens * layer_activation_bytes(shape, b, sdpa), "learner.token_budget"),
-        Term(p, "logits and their gradient", logits_bytes(shape.vocab, tokens, b), "learner.token_budget"),
+             "lower learner.token_budget" if ckpt else "set learner.gradient_checkpointing=true"),
+        Term(p, "backward work (one layer)", tokens * layer_activation_bytes(shape, b, sdpa),
+             "lower learner.token_budget"),
+        Term(p, "logits and their gradient", logits_bytes(shape.vocab, tokens, b), "lower learner.token_budget"),
         Term(p, "logits chunk (fp32)", chunk_bytes(shape.vocab, min(learner.logprob_chunk_tokens or tokens, tokens)),
-             "learner.logprob_chunk_tokens"),
+             "lower learner.logprob_chunk_tokens"),
     ]  # fmt: skip
     if dense:
-        mask = mask_bytes(_mask_elements(learner, tokens, longest), b, shape.layers, ckpt, sdpa)
-        flash = "learner.attention (flash_attention_2: pip install flash-attn)"
-        backward.append(Term(p, "attention mask of the micro-batch (and sdpa's copies)", mask, flash))
+        mask = mask_bytes(_mask_elements(learner, tokens, longest), b, shape.layers, ckpt, sdpa, shape.heads)
+        flash = "set learner.attention=flash_attention_2 (pip install -e '.[flash]' --no-build-isolation)"
+        what = "sdpa's copies" if sdpa else "eager's attention probabilities"
+        backward.append(Term(p, f"attention mask of the micro-batch (and {what})", mask, flash))
     step = [Term(p, "fp32 gradients at the step", st["step"], zero)]
     return stays, backward, step
 
@@ -196,15 +198,15 @@ def _learner_terms(cfg: TandemConfig, shape: ModelShape, dense: bool) -> tuple[l
     stays, backward, step = policy_terms(cfg.learner, shape, res.learner.ranks, cfg.model.dtype,
                                          cfg.engine.max_model_len, dense)  # fmt: skip
     if cfg.has_reference and res.reference.placement == "colocated":
-        stays.append(Term("reference", "weights", shape.params * b, "resources.reference.placement=separate"))
+        stays.append(Term("reference", "weights", shape.params * b, "set resources.reference.placement=separate"))
     if cfg.has_critic and res.critic.placement == "colocated":
         value = shape.params - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
         cs = training_state(value, value, cfg.learner.zero_stage, res.learner.ranks, b)
-        knob = "resources.critic.placement=separate"
+        knob = "set resources.critic.placement=separate"
         stays += [Term("critic", k, cs[k], knob) for k in ("weights", "gradients", "optimizer", "reduce bucket")]
     if cfg.weights.backend == "distributed" and cfg.weights.process_group == "nccl":
         ring = 2 * cfg.weights.bucket_mb << 20
-        stays.append(Term("learner rank", "weight channel pack ring (2 buckets)", ring, "weights.bucket_mb"))
+        stays.append(Term("learner rank", "weight channel pack ring (2 buckets)", ring, "lower weights.bucket_mb"))
     return stays, backward, step
 
 
@@ -234,7 +236,7 @@ def _mask_elements(learner: LearnerConfig, tokens: int, longest: int) -> int:
 def _engine_terms(cfg: TandemConfig, shape: ModelShape, device: int) -> tuple[list[Term], EngineShare]:
     eng, tp = cfg.engine, cfg.resources.actors.tensor_parallel
     share = engine_share(shape, device, eng.gpu_memory_utilization, _bytes(cfg), tp, eng.enforce_eager)
-    u = f"engine.gpu_memory_utilization ({eng.gpu_memory_utilization:g})"
+    u = f"lower engine.gpu_memory_utilization ({eng.gpu_memory_utilization:g})"
     terms = [Term("actor", "vLLM weights", share.weights, u), Term("actor", "vLLM profile peak", share.profile, u),
              Term("actor", "vLLM CUDA graphs", share.graphs, u),
              Term("actor", "vLLM KV cache (the rest of its share)", max(share.kv_cache, 0), u)]  # fmt: skip
@@ -256,8 +258,9 @@ def memory_plan(cfg: TandemConfig, shape: ModelShape, device: int, dense: bool) 
             "engine.gpu_memory_utilization"
         )
     nccl = cfg.weights.backend == "distributed" and cfg.weights.process_group == "nccl"
-    receive = [Term("actor", "weight channel receive buffers (whole model)", shape.params * _bytes(cfg),
-                    "weights.backend=ray")] if nccl else []  # fmt: skip
+    # the newest version's receive buffers (held for the engine) and the next push's: twice the model
+    receive = [Term("actor", "weight channel receive buffers (2 x the model)", 2 * shape.params * _bytes(cfg),
+                    "set weights.backend=ray")] if nccl else []  # fmt: skip
     if cfg.run.schedule == "colocated" and res.learner.num_gpus:
         per_gpu = math.ceil(res.actors.count / res.learner.ranks)
         asleep = [Term("actor", f"{per_gpu} engine(s) asleep (level 1)", per_gpu * SLEEPING_ENGINE)]

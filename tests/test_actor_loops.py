@@ -369,7 +369,12 @@ def test_the_ready_line_of_a_gpu_engine_says_what_vllm_chose_and_why_async_sched
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     inflight = weight_update == "inflight"
     config = standins.vllm_config(
-        async_scheduling=not inflight, v2_runner=not inflight, kv_blocks=23405, block_size=16, attention="FLASH_ATTN", layers=28
+        async_scheduling=not inflight,
+        v2_runner=not inflight,
+        kv_blocks=23405,
+        block_size=16,
+        attention="FLASH_ATTN",
+        layers=28,
     )
     worker = standins.worker(config, kv_bytes=GPU_KV_BYTES)
     engine = (standins.async_llm if inflight else standins.llm)(worker, tokenizer=FakeTokenizer())

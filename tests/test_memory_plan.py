@@ -149,7 +149,9 @@ def test_every_recipe_fits_80_gib_gpus_with_or_without_flash_attn(recipe):
 def test_a_plan_over_the_device_names_its_largest_part_and_the_knob():
     cfg = load_config(ROOT / "configs/recipes/gsm8k-grpo-1node.yaml", ["learner.token_budget=32768"])
     # 32768 tokens x 28 layers x 103,480 B per token and layer (no checkpointing) = 88.4 GiB, + 0.3 outside the layers
-    with pytest.raises(MemoryPlanError, match=r"activations \(32768 tokens\) \(88.7 GiB\): turn learner.gradient_ch"):
+    with pytest.raises(
+        MemoryPlanError, match=r"activations \(32768 tokens\) \(88.7 GiB\): set learner.gradient_checkpointing=true"
+    ):
         check_memory(cfg, KNOWN_SHAPES["1.5B"], 80 * GIB, dense_attention(cfg, flash_attn=True))
     on = load_config(
         ROOT / "configs/recipes/gsm8k-grpo-1node.yaml",
@@ -165,7 +167,7 @@ def test_tandem_plan_prints_the_table_and_refuses_in_one_line(capsys):
     assert "GPU of learner rank 0, peak while training" in out and "vLLM KV cache" in out
     assert main(["plan", "--config", recipe, "--gpu-memory-gib", "40", "learner.attention=flash_attention_2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "more than the device's 40.0 GiB" in err[0] and "turn learner." in err[0]
+    assert len(err) == 1 and "more than the device's 40.0 GiB" in err[0] and "lower learner." in err[0]
 
 
 def test_an_engine_share_without_room_for_one_sequence_is_refused():
@@ -239,7 +241,7 @@ def test_an_unknown_model_shape_option_is_refused_before_anything_prints(capsys)
     out, err = capsys.readouterr()
     assert out == "" and "--model-shape 13B: neither a Qwen2.5 size" in err
     assert main(["plan", "--config", recipe, "--model-shape", "7B"]) == 2  # 7B on 4 ZeRO-2 ranks: 97 GiB
-    assert "turn learner.zero_stage" in capsys.readouterr().err
+    assert "raise learner.zero_stage" in capsys.readouterr().err
 
 
 def test_sdpa_saves_a_compute_dtype_copy_of_the_bool_mask_in_every_layer():
@@ -306,3 +308,19 @@ def test_a_real_forward_and_backward_peaks_under_the_plan_and_near_it(checkpoint
     predicted = 2 * s.params * 2 + activation_bytes(s, tokens, 2, checkpointing)  # weights and their gradients
     predicted += tokens * layer_activation_bytes(s, 2) + logits_bytes(s.vocab, tokens, 2) + chunk_bytes(s.vocab, chunk)
     assert measured <= predicted <= 1.35 * measured, (measured, predicted)
+
+
+def test_the_plan_counts_what_the_review_found_missing():
+    """KV heads at tensor parallel above the model's KV heads (vLLM keeps one per GPU: config/model.py), the
+    NCCL receiver's two sets of buffers, and eager attention's probabilities, by hand."""
+    s = KNOWN_SHAPES["1.5B"]  # 28 layers, 2 KV heads of 128
+    assert s.kv_bytes_per_token(2, 1) == 2 * 28 * 2 * 128 * 2 == 28672
+    assert s.kv_bytes_per_token(2, 4) == 2 * 28 * 1 * 128 * 2 == 14336  # not 7168: one head on each of 4 GPUs
+    eager = mask_bytes(4096, 2, layers=3, checkpointing=False, sdpa=False, heads=12)
+    assert eager == 4096 * 2 + 3 * 12 * 4096 * (4 + 2)  # additive mask + fp32 softmax and its bf16 copy, per layer
+    cfg = load_config(ROOT / "configs/recipes/math-grpo-1node.yaml",
+                      ["weights.backend=distributed", "weights.process_group=nccl"])  # fmt: skip
+    gpus, _ = memory_plan(cfg, s, 80 * GIB, dense=False)
+    actor = next(g for g in gpus if g.label == "first GPU of actor 0")
+    (receive,) = [t for t in actor.phases["generating"] if "receive buffers" in t.name]
+    assert receive.bytes == 2 * s.params * 2 and receive.knob == "set weights.backend=ray"

@@ -99,4 +99,3 @@ def test_an_eager_cpu_engine_runs_with_dynamo_off():
     compiled = load_config(None, REQUIRED + ["engine.enforce_eager=false"])
     assert actor_environment(eager, 0)["TORCHDYNAMO_DISABLE"] == "1"
     assert "TORCHDYNAMO_DISABLE" not in actor_environment(compiled, 0)
-
