@@ -18,7 +18,14 @@ from actors.spec import ActorTimeouts
 from cluster.channel import replacement_refused
 from cluster.placement import PlacementError, bundle_placed_again, node_is_gone, on_this_node, reserve
 from cluster.timeline import Spans
-from launch.build import StartupError, await_actors, build_generation_actors, build_learner_group, generation_actor
+from launch.build import (
+    StartupError,
+    await_actors,
+    build_generation_actors,
+    build_learner_group,
+    colocated_on_gpus,
+    generation_actor,
+)
 from launch.config import TandemConfig
 from launch.plan import Plan
 from learner.group import LearnerGroup, outcome_rewards
@@ -105,12 +112,6 @@ async def _timed(run: RunLog, phase: str, building):
     return built
 
 
-def engines_measure_shared_gpus(cfg: TandemConfig) -> bool:
-    """The colocated schedule on GPUs: vLLM sizes its KV cache from the whole device's free memory,
-    so whatever a learner rank allocates on the shared GPU while an engine starts is charged to it."""
-    return cfg.run.schedule == "colocated" and bool(cfg.resources.actors.num_gpus)
-
-
 async def start_processes(actors, learner, in_turn: bool):
     """The generation actors and the learner ranks, started side by side, or ``in_turn``: the engines
     first (each has measured the free memory and taken its share once it is ready), then the learner."""
@@ -150,7 +151,7 @@ async def assemble(
     actors, learner = await start_processes(
         _timed(run, "actors", build_generation_actors(cfg, plan, model_path, run, scheduling)),
         _timed(run, "learner", build_learner_group(cfg, plan, model_path, run, scheduling)),
-        in_turn=engines_measure_shared_gpus(cfg),
+        in_turn=colocated_on_gpus(cfg),
     )
     run.mark("processes")
     run.say("placement: " + ", ".join(f"{name} on node {node[:8]}" for name, node in sorted(run.placement.items())))

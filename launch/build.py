@@ -288,9 +288,25 @@ async def build_generation_actors(
 ) -> list:
     await build_reward_models(cfg, plan, run, scheduling)  # the actors look them up by name as they start
     names = plan.actors.names()
-    actors = [generation_actor(cfg, plan, model_path, run, scheduling, i) for i in range(len(names))]
-    await await_actors(cfg, run, actors, names)
+    actors: list = []
+    for wave in engine_waves(len(names), cfg.resources.learner.ranks if colocated_on_gpus(cfg) else len(names)):
+        started = [generation_actor(cfg, plan, model_path, run, scheduling, i) for i in wave]
+        await await_actors(cfg, run, started, [names[i] for i in wave])
+        actors += started
     return actors
+
+
+def colocated_on_gpus(cfg: TandemConfig) -> bool:
+    """The colocated schedule on GPUs: vLLM sizes its KV cache from the whole device's free memory
+    (``MemorySnapshot``: total - free), so whatever another process allocates on the shared GPU while
+    an engine starts is charged to that engine's cache."""
+    return cfg.run.schedule == "colocated" and bool(cfg.resources.actors.num_gpus)
+
+
+def engine_waves(count: int, per_wave: int) -> list[list[int]]:
+    """Actor indices started together: colocated, actor i shares learner rank i's GPU modulo the ranks
+    (``launch/plan.py colocate``), so waves of one actor per rank put one starting engine on each GPU."""
+    return [list(range(start, min(start + per_wave, count))) for start in range(0, count, per_wave)]
 
 
 async def build_learner_group(

@@ -12,7 +12,8 @@ import asyncio
 
 import pytest
 
-from launch.assemble import engines_measure_shared_gpus, start_processes
+from launch.assemble import start_processes
+from launch.build import colocated_on_gpus, engine_waves
 from launch.config import load_config
 
 REQUIRED = ["model.path=m", "data.prompts=builtin:successor", "reward.function=builtin:successor"]
@@ -36,7 +37,7 @@ async def _built(name: str, log: list, seconds: float):
 )
 def test_colocated_engines_on_gpus_are_ready_before_the_learner_starts(overrides, in_turn):
     cfg = load_config(None, REQUIRED + overrides)
-    assert engines_measure_shared_gpus(cfg) == in_turn
+    assert colocated_on_gpus(cfg) == in_turn
     log: list[str] = []
 
     async def go():
@@ -47,3 +48,12 @@ def test_colocated_engines_on_gpus_are_ready_before_the_learner_starts(overrides
         assert log == ["actors starts", "actors ready", "learner starts", "learner ready"]
     else:  # side by side: the learner starts while the engines are still starting
         assert log.index("learner starts") < log.index("actors ready")
+
+
+def test_engines_sharing_a_gpu_start_one_at_a_time_one_per_gpu_together():
+    """Colocated, actor i is on learner rank i's GPU modulo the ranks: 5 actors on 2 ranks start in waves
+    whose engines are each on a GPU of their own (two engines profiling one GPU at once would each be
+    charged the other's allocations)."""
+    assert engine_waves(5, 2) == [[0, 1], [2, 3], [4]]
+    assert [sorted(i % 2 for i in wave) for wave in engine_waves(4, 2)] == [[0, 1], [0, 1]]
+    assert engine_waves(3, 3) == [[0, 1, 2]]  # not colocated on GPUs: all together
