@@ -7,7 +7,6 @@ already-initialised default group and its rendezvous times out).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -16,6 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from cluster.process_env import environment
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:
@@ -51,20 +52,6 @@ def address_towards(host: str) -> str:
 NCCL_ERRORS_RAISE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def build_group(backend: str, store, rank: int, world_size: int, timeout_s: float, publisher_host: str):
     """A process group of its own over ``store`` (not the default group DeepSpeed uses)."""
     prefixed = dist.PrefixStore("group", store)
@@ -85,7 +72,7 @@ def build_group(backend: str, store, rank: int, world_size: int, timeout_s: floa
             raise RuntimeError("weights backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)
-        with _environment(NCCL_ERRORS_RAISE):  # this group's own error mode; DeepSpeed's group keeps torch's
+        with environment(NCCL_ERRORS_RAISE):  # this group's own error mode; DeepSpeed's group keeps torch's
             return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     raise ValueError(f"unknown process-group backend {backend!r}; use 'gloo' or 'nccl'")
 
