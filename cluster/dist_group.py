@@ -8,6 +8,7 @@ already-initialised default group and its rendezvous times out).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable
@@ -129,9 +130,16 @@ def _end(group, methods: tuple[str, ...]) -> None:
             continue
 
 
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")  # gloo's "[.../pair.cc:537] "
+_LIBRARY_ADVICE = " This is typically caused by"  # gloo's closing paragraph ("... GLHF! ")
+
+
 def short(exc: BaseException) -> str:
+    """The cause of a failure in one short line: the first line of its text, without the library's
+    source location and its closing advice."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+    first = _SOURCE_LOCATION.sub("", text[0] if text else "").split(_LIBRARY_ADVICE)[0]
+    return f"{type(exc).__name__}: {first}"[:300]
 
 
 def wait_keys(store, keys: list[str], timeout_s: float) -> bool:

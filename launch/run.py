@@ -279,6 +279,8 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
                 summary["startup"] = startup_phases(started, run.marks, run.first_step_at)
         if error:
             summary["error"] = error
+            saved = store.all()  # a failed step may come after checkpoints: the newest is where a resume starts
+            summary["last_checkpoint"] = str(saved[0]) if saved else ""
         if status != "failed":
             summary.update(last_checkpoint=str(progress.checkpoint or ""), **progress.details)
             remove_local_sessions()

@@ -75,13 +75,18 @@ def test_a_rejection_rule_that_drops_every_token_is_said_and_stops_the_run(tmp_p
         "rollout.prompts_per_step=8",
         "run.steps=6",
         "run.max_empty_steps=2",
+        "run.checkpoint_every=1",
     )
     assert code == 2  # a run that cannot learn is a user error: rc 2, one line
     log = (run_dir(out) / "logs" / "driver.log").read_text()
     assert "step 1 trained 0 tokens: algorithm.tis.reject rejected all" in log, log[-3000:]
     assert "(by rule: token_k2 100%); widen the rules' low/high bounds or remove a rule" in log
     assert "no token was trained for 2 steps in a row (run.max_empty_steps)" in log
-    assert read_summary(out)["status"] == "failed"
+    summary = read_summary(out)
+    assert summary["status"] == "failed"
+    # a failed run's summary names the checkpoint a resume would start from (issue 38: it said null)
+    newest = max((run_dir(out) / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert summary["last_checkpoint"] == str(newest)
     # what each process chose is on record (issue 37): the learner's kernel on the console, the engine's in
     # processes.json (the CPU's vLLM: async scheduling off, model runner V1, the configured 1 GiB of KV cache)
     assert "learner: sdpa attention (bool mask)" in log

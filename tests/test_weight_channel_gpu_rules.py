@@ -217,3 +217,15 @@ def test_the_weight_group_alone_raises_on_a_missed_nccl_deadline_instead_of_bein
     dist_group.build_group("nccl", dist.HashStore(), 1, 3, 7.0, "127.0.0.1")
     assert built == [("2", 1, 3, timedelta(seconds=7))]
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # not the rest of the process's groups
+
+
+def test_a_transport_failure_is_named_in_one_short_line_without_the_librarys_location_and_advice():
+    from cluster.dist_group import short
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46258: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. "
+        "Check the logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+    )
+    assert short(gloo) == "RuntimeError: Read error [127.0.0.1]:46258: Connection reset by peer."
+    assert short(TimeoutError("Operation timed out!\nmore")) == "TimeoutError: Operation timed out!"
