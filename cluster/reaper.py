@@ -33,8 +33,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cluster.process_env import environment
-
 MARK = "TANDEM_RAY_SESSION"
 GRACE_S = 2.0
 
@@ -48,8 +46,19 @@ _watchdogs: list[subprocess.Popen] = []  # kept so they are waited for, never re
 def marked_environment(token: str, **variables: str) -> Iterator[None]:
     """``MARK=token`` (and ``variables``) in this process's environment for the duration (the
     processes Ray starts meanwhile inherit them); the previous values are restored after."""
-    with environment({**variables, MARK: token}):
+    # not cluster/process_env.py: this file also runs alone as the watchdog (python -I -S reaper.py),
+    # which imports nothing but the standard library
+    variables[MARK] = token
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
         yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def start_watchdog(token: str, session_dir: str, gcs_pid: int | None) -> subprocess.Popen:

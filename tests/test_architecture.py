@@ -75,3 +75,21 @@ def test_a_training_run_needs_neither_the_report_nor_tensorboard_installed():
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_reaper_runs_alone_on_the_standard_library():
+    """cluster/reaper.py is also the session's watchdog, started as ``python -I -S reaper.py``: isolated,
+    no site-packages, not a package member. An import of the project (or of anything installed) there
+    leaves every Ray process of a killed driver running (a refactor once did)."""
+    import ast
+
+    path = Path(__file__).resolve().parents[1] / "cluster" / "reaper.py"
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported - set(sys.stdlib_module_names)
+    done = subprocess.run([sys.executable, "-I", "-S", str(path)], capture_output=True, text=True, timeout=30)
+    assert "ModuleNotFoundError" not in done.stderr and "ImportError" not in done.stderr, done.stderr
