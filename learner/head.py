@@ -22,9 +22,10 @@ where a completion token is predicted, for every layout. The backward of the row
 the ``[R, Lr, H]`` hidden states to its output embedding is refused in one line.
 
 What remains is the varlen path's cost: the ``[1, N, V]`` logits and their gradient, ``2 N V b`` bytes
-(``logits_bytes``). A head applied ``learner.logprob_chunk_tokens`` rows at a time, recomputed in the
-backward, would remove them; it is not done here: under ZeRO-3 every chunk would gather the head's
-weight again, and the model type's ``post`` would have to be written out per model type.
+(the memory plan's ``logits_bytes``, ``cluster/memory.py``). A head applied
+``learner.logprob_chunk_tokens`` rows at a time, recomputed in the backward, would remove them; it is
+not done here: under ZeRO-3 every chunk would gather the head's weight again, and the model type's
+``post`` would have to be written out per model type.
 """
 
 from __future__ import annotations
@@ -81,16 +82,3 @@ def scored_logits(model, micro: PackedInputs) -> Tensor:
             "last hidden states (Qwen2, Llama, Gemma, ...)"
         )
     return logits
-
-
-def logits_bytes(micro: PackedInputs, vocab: int, itemsize: int) -> dict[str, int]:
-    """Bytes of the vocabulary-sized tensors one policy micro-batch holds at the peak of its backward,
-    in the logits' dtype (``itemsize`` bytes), before and after the head ran on scored rows only:
-
-        full:   logits [R, Lr, V] + their gathered [N, V] copy + both gradients = 2 (R Lr + N) V b
-        scored: logits [1, N, V] + their gradient                              = 2 N V b
-
-    (the fp32 chunk of ``learner/logprobs.py``, ``chunk x V x 4``, comes on top of both)."""
-    R, Lr = micro.input_ids.shape
-    n = int(micro.completion_valid.sum())
-    return {"full": 2 * (R * Lr + n) * vocab * itemsize, "scored": 2 * n * vocab * itemsize}

@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten
 
 import learner.rank_batch
 import tests.test_learner_group
-from learner.head import logits_bytes, scored_logits
+from cluster.memory import logits_bytes as scored_bytes
+from learner.head import scored_logits
 from learner.packing import pack_range, packed_completion_logprobs
 from tests.reference_batch import rank_batch
 from tests.standins import deepspeed_engine
@@ -256,6 +257,18 @@ def test_a_model_whose_head_does_not_read_the_rows_is_refused():
     batch = rank_batch(_random_seqs([(3, 4), (5, 6)]), 0, mask_dtype=torch.bool, row_tokens=None)
     with pytest.raises(ValueError, match="LastOnly: its forward called the output embedding with"):
         scored_logits(LastOnly(), batch.pack(batch.minibatches[0][0]))
+
+
+def logits_bytes(micro, vocab: int, itemsize: int) -> dict[str, int]:
+    """Bytes of the vocabulary-sized tensors one policy micro-batch holds at the peak of its backward,
+    before and after the head ran on scored rows only:
+
+        full:   logits [R, Lr, V] + their gathered [N, V] copy + both gradients = 2 (R Lr + N) V b
+        scored: logits [1, N, V] + their gradient                              = 2 N V b (the plan's term)
+    """
+    R, Lr = micro.input_ids.shape
+    n = int(micro.completion_valid.sum())
+    return {"full": 2 * (R * Lr + n) * vocab * itemsize, "scored": scored_bytes(vocab, n, itemsize)}
 
 
 def test_logits_bytes_of_the_reviews_example():
