@@ -88,32 +88,22 @@ def shm_free() -> int:
 
 
 @dataclass
-class CheckedShared:
-    """``shared`` asked for by name: an update whose host tensors cannot fit ``/dev/shm`` raises
-    (one line) instead of dying of SIGBUS in the middle of a copy."""
-
-    free: Callable[[], int] = shm_free
-
-    def for_weights(self, named_tensors: list) -> EngineTransfer:
-        short = shm_shortfall(named_tensors, self.free)
-        if short:
-            raise RuntimeError(f"engine.weight_transfer = shared: {short}, or set engine.weight_transfer=bytes")
-        return ENGINE_TRANSFERS["shared"]
-
-
-@dataclass
 class SharedIfRoom:
-    """``auto`` with a GPU: handles, unless the update's host tensors (the Ray channel's) do not fit
-    ``/dev/shm``; then bytes, said once (``say``)."""
+    """Handles, unless the update's host tensors (the Ray channel's) do not fit ``/dev/shm``: then,
+    for ``auto`` with a GPU, bytes, said once (``say``); for ``shared`` asked for by name (``strict``),
+    one line that stops the actor instead of its dying of SIGBUS in the middle of a copy."""
 
     say: Callable[[str], None]
     free: Callable[[], int] = shm_free
+    strict: bool = False
     said: bool = False
 
     def for_weights(self, named_tensors: list) -> EngineTransfer:
         short = shm_shortfall(named_tensors, self.free)
         if short is None:
             return ENGINE_TRANSFERS["shared"]
+        if self.strict:
+            raise RuntimeError(f"engine.weight_transfer = shared: {short}, or set engine.weight_transfer=bytes")
         if not self.said:
             self.said = True
             self.say(f"weights reach the engine as bytes (a copy per update, slower): {short}")
@@ -125,4 +115,4 @@ def engine_transfer(setting: str, cuda: bool, say: Callable[[str], None] = print
     has room for the update's host tensors, bytes without a GPU); ``for_weights`` picks each update's."""
     if setting == "auto":
         return SharedIfRoom(say) if cuda else ENGINE_TRANSFERS["bytes"]
-    return CheckedShared() if setting == "shared" else ENGINE_TRANSFERS[setting]
+    return SharedIfRoom(say, strict=True) if setting == "shared" else ENGINE_TRANSFERS[setting]

@@ -2,10 +2,10 @@
 
 ``assemble`` starts the processes (generation actors and learner ranks side by side, or the engines
 first when they share the learner's GPUs), opens the queues and the weight channel, restores a
-resumed run's state, and hands back one ``RunParts``: the
-objects the training loop (``launch/train.py``) calls by name. None of them calls back into the
-loop: admission feeds the prompt queue, the collector routes what comes back, the actor pool
-replaces a dead actor with the ``ActorStarter`` it was given.
+resumed run's state, and hands back one ``RunParts``: the objects the training loop
+(``launch/train.py``) calls by name. None of them calls back into the loop: admission feeds the
+prompt queue, the collector routes what comes back, the actor pool replaces a dead actor with the
+``ActorStarter`` it was given.
 """
 
 from __future__ import annotations

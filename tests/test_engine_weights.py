@@ -12,7 +12,6 @@ import torch
 
 from actors.engine_weights import (
     ENGINE_TRANSFERS,
-    CheckedShared,
     SharedIfRoom,
     engine_transfer,
     shm_shortfall,
@@ -49,7 +48,7 @@ def test_host_tensors_that_do_not_fit_dev_shm_go_as_bytes_said_once_or_stop_a_na
     assert "docker run --shm-size" in said[0]
     assert SharedIfRoom(said.append, free=lambda: 24 << 20).for_weights(named) is ENGINE_TRANSFERS["shared"]
     with pytest.raises(RuntimeError, match="engine.weight_transfer = shared: /dev/shm has .* set engine.weight_"):
-        CheckedShared(free=lambda: 1 << 20).for_weights(named)
+        SharedIfRoom(said.append, free=lambda: 1 << 20, strict=True).for_weights(named)
     gpu_only = [("w", SimpleNamespace(is_cuda=True, numel=lambda: 1 << 30, element_size=lambda: 2))]
     assert shm_shortfall(gpu_only, free=lambda: 0) is None  # CUDA IPC writes nothing to /dev/shm
 
