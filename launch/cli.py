@@ -3,6 +3,7 @@
 tandem demo [key=value ...]                   the built-in demo: a real RL run on the CPU
 tandem train --config FILE.yaml [key=value]   train with a config file and overrides
 tandem train --resume RUN_DIR [key=value]     continue a run from its newest intact checkpoint
+tandem train --config F --resume auto [k=v]   continue the newest unfinished run of its name, or start one
 tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
 tandem eval --model DIR --config F [k=v]      evaluate a saved model on the config's held-out set
 tandem example math [key=value ...]           warm-start a tiny chat model, GRPO with math-verify, eval
@@ -241,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="YAML config file (with --resume: default the run's own config.yaml); several are merged in order",
     )
-    tr.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
+    tr.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue this run from its newest intact checkpoint; 'auto' (with --config): the newest unfinished "
+        "run of run.name under run.output_dir, or a new one (a requeued job's command, safe to repeat)",
+    )
     tr.add_argument(
         "--allow-changes",
         action="store_true",
@@ -346,6 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "allow_changes", False) and resume is None:
             parser.error("--allow-changes goes with --resume RUN_DIR (a new run has nothing to change)")
         address = [f"resources.address={args.address}"] if getattr(args, "address", None) else []
+        if resume == "auto":  # a requeue runs the same command again: continue the run it started
+            from launch.resume_auto import choose_for
+
+            if config is None:
+                raise ConfigError("--resume auto needs --config FILE.yaml: the run's name and output_dir come from it")
+            choice = choose_for(config, args.overrides + address)
+            print(f"tandem: {choice.line}", file=sys.stderr, flush=True)
+            if choice.action == "complete":
+                return 0
+            resume = str(choice.run_dir) if choice.run_dir else None
         return run_training(
             config, args.overrides + address, resume, allow_changes=getattr(args, "allow_changes", False)
         )
