@@ -50,6 +50,7 @@ def _render_launcher(args: argparse.Namespace) -> int:
             ray_port=args.ray_port,
             wait_s=args.wait,
             signal_s=args.signal_s,
+            requeue=args.requeue,
         )
     else:
         from launch.deploy.k8s import render_rayjob
@@ -71,7 +72,16 @@ def _render_launcher(args: argparse.Namespace) -> int:
             ttl_s=args.ttl,
             workdir=args.workdir,
             env=env or None,
+            retries=args.retries,
+            runs_pvc=args.runs_pvc,
+            token_secret=args.token_secret,
         )
+        if args.retries and not args.runs_pvc:
+            print(
+                "tandem: warning: without --runs-pvc the run directory is on the head pod's disk and goes with its "
+                "cluster: a retry (--retries) starts the run over",
+                file=sys.stderr,
+            )
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}", file=sys.stderr)
@@ -163,6 +173,13 @@ def _add_launchers(sub) -> None:
         default=300,
         help="SIGTERM to the job this many seconds before --time: tandem train checkpoints and stops",
     )
+    sl.add_argument(
+        "--requeue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="#SBATCH --requeue: SLURM may requeue the job after a node failure or a preemption (default on); the "
+        "script trains with --resume auto, so a requeued or resubmitted job continues its run",
+    )
     sl.add_argument("--out", help="write the script here instead of stdout")
     sl.add_argument("overrides", nargs="*", help="config overrides, key=value")
     k8 = sub.add_parser("k8s", help="print a KubeRay RayJob manifest")
@@ -179,6 +196,23 @@ def _add_launchers(sub) -> None:
     k8.add_argument("--ttl", type=int, default=600, help="seconds the finished cluster is kept")
     k8.add_argument("--workdir", help="directory in the image to run from")
     k8.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env var for the job (repeat)")
+    k8.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="the RayJob's backoffLimit: a failed job runs again on a new cluster with --resume auto (default 2)",
+    )
+    k8.add_argument(
+        "--runs-pvc",
+        metavar="CLAIM",
+        help="PersistentVolumeClaim mounted at run.output_dir on every pod (ReadWriteMany with several pods): the "
+        "runs outlive the cluster, so a retry resumes",
+    )
+    k8.add_argument(
+        "--token-secret",
+        metavar="SECRET",
+        help="a Secret holding the Ray token under the key auth_token (default: the operator makes one)",
+    )
     k8.add_argument("--out", help="write the manifest here instead of stdout")
     k8.add_argument("overrides", nargs="*", help="config overrides, key=value")
     sb = sub.add_parser("submit", help="run training as a Ray job on a running cluster")

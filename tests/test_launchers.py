@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -94,7 +96,7 @@ def test_sbatch_is_valid_bash_with_the_allocation_and_the_ray_pattern(cfg, tmp_p
     assert "deadline=$((SECONDS + 600))" in script and "wait_for_nodes 3" in script
     assert "trap cleanup EXIT" in script
     assert (
-        "tandem train --config 'configs/my grpo.yaml' \"resources.address=$ray_address\" "
+        "tandem train --config 'configs/my grpo.yaml' --resume auto \"resources.address=$ray_address\" "
         "'run.name=my run' 'run.output_dir=$(touch pwned)'"
     ) in script
 
@@ -118,7 +120,8 @@ def test_sbatch_without_gpus_has_no_gpu_directive():
 
 
 def _stubs(tmp_path: Path, nodes_up: int, tandem_rc: int) -> dict[str, str]:
-    """Fake scontrol/srun/ray/python3/tandem on PATH that log what the script asks of them."""
+    """Fake scontrol/srun/ray/python3/tandem on PATH that log what the script asks of them. HOME is a folder
+    of the test's: the script writes the cluster's Ray token there."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
@@ -135,6 +138,7 @@ def _stubs(tmp_path: Path, nodes_up: int, tandem_rc: int) -> dict[str, str]:
     return {
         **os.environ,
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path / "home"),
         "LOG": str(tmp_path / "log"),
         "ARGS": str(tmp_path / "args"),
         "SLURM_JOB_NODELIST": "n[1-3]",
@@ -146,11 +150,12 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     env = _stubs(tmp_path, nodes_up=3, tandem_rc=3)
     done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 3, done.stderr  # tandem's exit status is the job's
+    auth = f"env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={tmp_path}/home/.ray/auth_token"
     expected = [
-        "srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w n1 ray start --head "
-        "--node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 --num-gpus=2 --block"
+        f"srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w n1 {auth} ray start --head "
+        "--node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 --num-gpus=2 --dashboard-host=127.0.0.1 --block"
     ] + [
-        f"srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w {worker} ray start "
+        f"srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w {worker} {auth} ray start "
         "--address=10.0.0.1:6379 --num-cpus=4 --num-gpus=2 --block"
         for worker in ("n2", "n3")
     ]
@@ -161,7 +166,9 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
         time.sleep(0.05)
     assert log.index("ray stop --force") > log.index("tandem")  # the EXIT trap, after training
     args = (tmp_path / "args").read_text().splitlines()
-    assert args == ["train", "--config", "configs/my grpo.yaml", "resources.address=10.0.0.1:6379", *OVERRIDES]
+    assert args == [
+        "train", "--config", "configs/my grpo.yaml", "--resume", "auto", "resources.address=10.0.0.1:6379", *OVERRIDES
+    ]  # fmt: skip
     assert not (tmp_path / "pwned").exists()
 
 
@@ -254,6 +261,56 @@ def test_sbatch_refuses_values_sbatch_would_misread(cfg):
         )
 
 
+def test_sbatch_asks_to_be_requeued_and_trains_with_resume_auto(cfg):
+    script = sbatch(cfg).splitlines()
+    # a requeued job runs the script again: its output is appended to the earlier start's, and tandem
+    # train --resume auto continues the run that start began
+    assert "#SBATCH --requeue" in script and "#SBATCH --open-mode=append" in script
+    assert any(line.startswith("tandem train --config ") and " --resume auto " in line for line in script)
+    no_requeue = sbatch(cfg, requeue=False).splitlines()
+    assert "#SBATCH --requeue" not in no_requeue and "#SBATCH --open-mode=append" not in no_requeue
+    assert any(" --resume auto " in line for line in no_requeue)  # submitting it again still continues
+
+
+def _token_env_stub(tmp_path: Path) -> None:
+    """A tandem stub that writes the Ray variables it was started with to $ARGS."""
+    (tmp_path / "bin" / "tandem").write_text(
+        '#!/bin/bash\nfor v in RAY_AUTH_MODE RAY_AUTH_TOKEN_PATH RAY_AUTH_TOKEN; do echo "$v=${!v-unset}"; done '
+        '> "$ARGS"\n'
+    )
+
+
+def test_the_sbatch_cluster_requires_a_private_token_and_keeps_the_dashboard_on_loopback(cfg, tmp_path):
+    (tmp_path / "job.sbatch").write_text(sbatch(cfg))
+    env = _stubs(tmp_path, nodes_up=3, tandem_rc=0)
+    _token_env_stub(tmp_path)
+    env["RAY_AUTH_TOKEN"] = "from-the-login-shell"  # never reaches the cluster: one token, the file's
+    done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    token = tmp_path / "home" / ".ray" / "auth_token"
+    assert re.fullmatch(r"[0-9a-f]{64}", token.read_text())  # 256 random bits, as `ray get-auth-token --generate`
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    # the driver (tandem train) runs with token auth and the file's token
+    assert (tmp_path / "args").read_text().splitlines() == [
+        "RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={token}", "RAY_AUTH_TOKEN=unset"
+    ]  # fmt: skip
+    deadline = time.monotonic() + 10  # the head and workers run in the background
+    while len(starts := [line for line in (tmp_path / "log").read_text().splitlines() if "ray start" in line]) < 3:
+        assert time.monotonic() < deadline, starts
+        time.sleep(0.05)
+    auth = f" env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token} ray start "
+    assert all(auth in line for line in starts)  # the head and every worker
+    (head,) = [line for line in starts if "--head" in line]
+    assert "--dashboard-host=127.0.0.1" in head
+
+    # a token that exists is kept (clusters of other jobs use it) and made private
+    token.write_text("b" * 64)
+    token.chmod(0o644)
+    done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert token.read_text() == "b" * 64 and stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
 # --- Kubernetes --------------------------------------------------------------------------------------------
 
 
@@ -263,7 +320,7 @@ def test_rayjob_manifest(cfg):
     assert job["metadata"]["name"] == "tandem-grpo" and job["metadata"]["namespace"] == "rl"
     spec = job["spec"]
     assert spec["entrypoint"] == (
-        "cd /app && tandem train --config configs/grpo.yaml resources.address=auto "
+        "cd /app && tandem train --config configs/grpo.yaml --resume auto resources.address=auto "
         "'run.name=my run' 'run.output_dir=$(touch pwned)'"
     )
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
@@ -309,6 +366,51 @@ def test_rayjob_refuses_too_few_workers_and_bad_names(cfg):
         rayjob(cfg, name="Tandem_GRPO")
     with pytest.raises(LaunchError, match="Kubernetes quantity"):
         rayjob(cfg, memory_per_worker="64 GB")
+
+
+def _containers(job: dict) -> list[dict]:
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    return [c for pod in pods for c in pod["spec"]["containers"]]
+
+
+def test_rayjob_cluster_requires_the_token(cfg):
+    job = rayjob(cfg)
+    cluster = job["spec"]["rayClusterSpec"]
+    # KubeRay >= 1.5.1 keeps the token in a Secret it makes and gives it to every Ray container, the
+    # submitter and its own dashboard client; no token of ours is written into the manifest
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert "RAY_AUTH_TOKEN" not in str(job)
+    for container in _containers(job):  # token mode set by us too: a pod never runs Ray without it
+        assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"]
+    # the operator polls the job and the submitter pod submits it through the head's Service: the dashboard
+    # must listen on the pod's address (behind the token), not on loopback
+    assert cluster["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert rayjob(cfg, token_secret="my-ray-token")["spec"]["rayClusterSpec"]["authOptions"] == {
+        "mode": "token", "secretName": "my-ray-token"
+    }  # fmt: skip
+    with pytest.raises(LaunchError, match="--token-secret"):
+        rayjob(cfg, token_secret="My_Token")
+
+
+def test_rayjob_retries_with_resume_auto_on_the_runs_volume(cfg):
+    job = rayjob(cfg, retries=3, runs_pvc="tandem-runs", workdir="/app")
+    assert job["spec"]["backoffLimit"] == 3 and rayjob(cfg)["spec"]["backoffLimit"] == 2
+    assert " --resume auto " in job["spec"]["entrypoint"]  # every retry runs this same command
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:  # the driver writes the run directory, every learner rank its checkpoint part
+        assert {"name": "runs", "persistentVolumeClaim": {"claimName": "tandem-runs"}} in pod["spec"]["volumes"]
+    for container in _containers(job):  # the config's run.output_dir, runs, taken under --workdir
+        assert {"name": "runs", "mountPath": "/app/runs"} in container["volumeMounts"]
+    with pytest.raises(LaunchError, match="set run.output_dir to an absolute path"):
+        rayjob(cfg, runs_pvc="tandem-runs")  # a relative run.output_dir and no --workdir: no path to mount at
+    absolute = load_config(None, [*PLAN, "run.output_dir=/shared/runs"])
+    job = yaml.safe_load(render_rayjob(absolute, "c.yaml", [], name="t", image="i", namespace=None, worker_replicas=2,
+                         gpus_per_worker=2, cpus_per_worker=8, memory_per_worker="8Gi", head_cpus=1,
+                         head_memory="2Gi", runs_pvc="tandem-runs"))  # fmt: skip
+    assert all({"name": "runs", "mountPath": "/shared/runs"} in c["volumeMounts"] for c in _containers(job))
+    assert all(len(c["volumeMounts"]) == 1 for c in _containers(rayjob(cfg)))  # /dev/shm only without a claim
 
 
 # --- Ray job submission ---------------------------------------------------------------------------------------

@@ -4,13 +4,26 @@ KubeRay (``apiVersion: ray.io/v1``) creates the head and worker pods from ``rayC
 until the cluster is ready, and runs ``entrypoint`` as a Ray job on the head pod; with
 ``shutdownAfterJobFinishes`` the cluster is deleted ``ttlSecondsAfterFinished`` seconds after the job
 ends. The image must hold Tandem, its dependencies and a Ray of the same version as ``rayVersion``.
+
+The cluster lets no one else in: ``authOptions: {mode: token}`` (KubeRay 1.5.1 or newer, Ray 2.52 or newer)
+has the operator keep the token in a Secret (its own, or ``--token-secret``'s) and give it to every Ray
+container, the job submitter and its own calls to the dashboard; each container also sets
+``RAY_AUTH_MODE=token`` itself, so no pod runs Ray without authentication whatever the operator does. The
+dashboard listens on the pod's address (``dashboard-host: 0.0.0.0``): the operator polls the job's status
+and the submitter pod submits it through the head's Service, both with the token.
+
+A failed job is retried ``backoffLimit`` times, each on a new cluster, with the same entrypoint, which
+trains with ``--resume auto`` (``launch/resume_auto.py``): with the runs on a persistent volume
+(``runs_pvc``) a retry continues the run it started.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -19,6 +32,7 @@ from launch.config import TandemConfig
 from launch.deploy.submit import LaunchError, check_allocation, train_command
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")  # a Secret's or a claim's name
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?")
 
 _HEADER = """\
@@ -26,7 +40,11 @@ _HEADER = """\
 # The entrypoint runs as a Ray job on the head pod, where Ray sets RAY_ADDRESS to this cluster;
 # resources.address=auto makes `tandem train` join it instead of starting a local Ray.
 # The head advertises no CPUs or GPUs, so actors and learner ranks all land on the worker pods.
+# Ray's token authentication is on (authOptions): the operator keeps the token in a Secret.
+# A failed job is retried (backoffLimit) on a new cluster with the same command, which resumes its run
+# (--resume auto) when run.output_dir is on a persistent volume (tandem k8s --runs-pvc).
 """
+_MODE = {"name": "RAY_AUTH_MODE", "value": "token"}
 
 
 def render_rayjob(
@@ -47,11 +65,19 @@ def render_rayjob(
     workdir: str | None = None,
     env: dict[str, str] | None = None,
     ray_version: str | None = None,
+    retries: int = 2,
+    runs_pvc: str | None = None,
+    token_secret: str | None = None,
 ) -> str:
     """The RayJob manifest (YAML text) for ``cfg``. ``config_path`` is a path inside the image, relative to
     ``workdir`` when given (the entrypoint ``cd``s there first, so the config's relative data and reward
     paths resolve as they do locally). ``env`` becomes the job's ``runtimeEnvYAML`` env_vars (never secrets:
-    put those in a Kubernetes Secret). ``ray_version`` defaults to the Ray installed here."""
+    put those in a Kubernetes Secret). ``ray_version`` defaults to the Ray installed here.
+
+    ``retries``: the RayJob's ``backoffLimit`` (each retry a new cluster, the same ``--resume auto`` command).
+    ``runs_pvc``: a PersistentVolumeClaim mounted at ``run.output_dir`` on every pod, so the run directory
+    outlives a cluster and every learner rank writes its checkpoint part there. ``token_secret``: a Secret
+    of yours holding the Ray token under ``auth_token`` (default: the operator makes one per cluster)."""
     _check_args(
         name,
         namespace,
@@ -63,6 +89,12 @@ def render_rayjob(
         head_memory,
         ttl_s,
     )
+    for flag, value in (("--runs-pvc", runs_pvc), ("--token-secret", token_secret)):
+        if value is not None and (len(value) > 253 or not _DNS_NAME.fullmatch(value)):
+            raise LaunchError(f"{flag} {value!r} must be a Kubernetes name: lower-case letters, digits, '-' and '.'")
+    if retries < 0:
+        raise LaunchError(f"--retries = {retries} cannot be negative")
+    runs = _runs_volume(runs_pvc, cfg.run.output_dir, workdir)
     check_allocation(
         cfg,
         machines=worker_replicas,
@@ -71,20 +103,26 @@ def render_rayjob(
         unit="worker pods",
         fix="raise --workers, --gpus-per-worker or --cpus-per-worker",
     )
-    entrypoint = train_command(config_path, overrides, "resources.address=auto")
+    entrypoint = train_command(config_path, overrides, "resources.address=auto", resume_auto=True)
     if workdir:
         entrypoint = f"cd {shlex.quote(workdir)} && {entrypoint}"
     spec: dict[str, Any] = {
         "entrypoint": entrypoint,
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": ttl_s,
+        "backoffLimit": retries,  # each retry: a new cluster, the same --resume auto entrypoint
         **_runtime_env(env),
         "rayClusterSpec": {
             "rayVersion": ray_version or _installed_ray(),
+            # The operator keeps the token in a Secret and hands it to every Ray container, the submitter
+            # and its own dashboard client (KubeRay >= 1.5.1).
+            "authOptions": {"mode": "token", **({"secretName": token_secret} if token_secret else {})},
             "headGroupSpec": {
                 # num-cpus 0: the head runs the driver and Ray's services, not actors or learner ranks.
+                # dashboard-host 0.0.0.0: the operator and the submitter pod reach the job server through the
+                # head's Service (loopback would break the RayJob); token auth guards it.
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
-                "template": _pod("ray-head", image, cpus=head_cpus, memory=head_memory, gpus=0, head=True),
+                "template": _pod("ray-head", image, cpus=head_cpus, memory=head_memory, gpus=0, head=True, extra=runs),
             },
             "workerGroupSpecs": [
                 {
@@ -100,6 +138,7 @@ def render_rayjob(
                         memory=memory_per_worker,
                         gpus=gpus_per_worker,
                         head=False,
+                        extra=runs,
                     ),
                 }
             ],
@@ -112,6 +151,20 @@ def render_rayjob(
     return _HEADER + yaml.safe_dump(manifest, sort_keys=False, width=10_000)  # one line per command
 
 
+def _runs_volume(claim: str | None, output_dir: str, workdir: str | None) -> tuple[dict, dict] | None:
+    """The pod volume and the container mount of ``claim`` at the run directories' parent, or None."""
+    if claim is None:
+        return None
+    path = PurePosixPath(workdir or "", output_dir)
+    if not path.is_absolute():
+        raise LaunchError(
+            f"--runs-pvc mounts the claim at run.output_dir, and {output_dir!r} is relative to an unknown "
+            "directory; set run.output_dir to an absolute path (e.g. run.output_dir=/runs) or pass --workdir"
+        )
+    volume = {"name": "runs", "persistentVolumeClaim": {"claimName": claim}}
+    return volume, {"name": "runs", "mountPath": str(path)}
+
+
 def _runtime_env(env: dict[str, str] | None) -> dict[str, str]:
     """``runtimeEnvYAML`` carrying ``env`` as the job's env_vars, or nothing."""
     if not env:
@@ -122,7 +175,10 @@ def _runtime_env(env: dict[str, str] | None) -> dict[str, str]:
     return {"runtimeEnvYAML": yaml.safe_dump({"env_vars": env_vars}, default_flow_style=True, width=10_000).strip()}
 
 
-def _pod(container: str, image: str, *, cpus: int, memory: str, gpus: int, head: bool) -> dict[str, Any]:
+def _pod(
+    container: str, image: str, *, cpus: int, memory: str, gpus: int, head: bool, extra: tuple[dict, dict] | None
+) -> dict[str, Any]:
+    """A Ray pod's template; ``extra`` is a volume and its mount (the runs' claim), or None."""
     resources: dict[str, Any] = {"cpu": str(cpus), "memory": memory}
     if gpus > 0:
         resources["nvidia.com/gpu"] = str(gpus)
@@ -132,6 +188,7 @@ def _pod(container: str, image: str, *, cpus: int, memory: str, gpus: int, head:
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         # vLLM and NCCL need a /dev/shm larger than the container default of 64 MiB.
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "env": [dict(_MODE)],  # token auth whatever the operator does: without the token Ray does not start
     }
     if head:
         spec["ports"] = [
@@ -141,7 +198,11 @@ def _pod(container: str, image: str, *, cpus: int, memory: str, gpus: int, head:
         ]
     else:
         spec["lifecycle"] = {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}}
-    return {"spec": {"containers": [spec], "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if extra:  # copies: the same dict twice in a manifest would be written as a YAML anchor and alias
+        volumes.append(copy.deepcopy(extra[0]))
+        spec["volumeMounts"].append(copy.deepcopy(extra[1]))
+    return {"spec": {"containers": [spec], "volumes": volumes}}
 
 
 def _check_args(

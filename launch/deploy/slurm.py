@@ -4,6 +4,12 @@ The usual Ray-on-SLURM pattern: one task per node; the first node of the allocat
 head, every other node a Ray worker (each advertising the CPUs and GPUs asked per node); the script
 waits until every node has joined, runs ``tandem train`` from the batch script itself (which SLURM
 runs on the first node, the head) and stops Ray on exit, success or not.
+
+The cluster lets no one else in: every Ray process (head, workers, the driver) runs with Ray's token
+authentication (``RAY_AUTH_MODE=token``) and the token in the home directory the nodes share, created
+readable by its owner only when absent; the dashboard listens on the head's loopback only. The job asks
+to be requeued (``#SBATCH --requeue``) and trains with ``--resume auto``: a requeued or resubmitted job
+continues the run it started (``launch/resume_auto.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,28 @@ class _Script(Template):
     delimiter = "@"  # leaves bash's $ alone
 
 
+# Ray's token authentication for every process of the job (bash; also run alone by the tests): the token file,
+# made private, and `ray_auth`, the command prefix that gives a `srun` step the same token.
+TOKEN_SETUP = """\
+# Ray's token authentication: no process without the token joins this cluster or runs code in it. The
+# token is in the home directory every node shares, created readable by its owner only.
+unset RAY_AUTH_TOKEN
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+if [[ ! -s $RAY_AUTH_TOKEN_PATH ]]; then
+    (
+        umask 077
+        mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
+        od -An -vtx1 -N32 /dev/urandom | tr -dc 0-9a-f >"$RAY_AUTH_TOKEN_PATH.$$"
+        mv -n "$RAY_AUTH_TOKEN_PATH.$$" "$RAY_AUTH_TOKEN_PATH"  # -n: a token another job wrote first stays
+        rm -f "$RAY_AUTH_TOKEN_PATH.$$"
+    )
+fi
+chmod 600 "$RAY_AUTH_TOKEN_PATH"
+# Passed to each srun step explicitly: it holds even where a site sets SLURM_EXPORT_ENV=NONE.
+ray_auth=(env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH")
+"""
+
 _SCRIPT = _Script(
     """#!/bin/bash
 @directives
@@ -34,6 +62,10 @@ head=${nodes[0]}
 head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
 ray_address="$head_ip:@port"
 ray_pids=()
+if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
+    echo "tandem-slurm: requeued (restart $SLURM_RESTART_COUNT): tandem train --resume auto continues the run"
+fi
+@token_setup
 
 cleanup() {
     ray stop --force >/dev/null 2>&1 || true
@@ -68,14 +100,15 @@ wait_for_nodes() {  # $1: nodes that must be up; gives up at the deadline
 # inherit --cpus-per-task from sbatch, and a step left at one core would confine the raylet and every
 # engine, learner rank and reward worker it starts to that core.
 echo "tandem-slurm: Ray head on $head ($ray_address)"
-srun --nodes=1 --ntasks=1 @step -w "$head" \\
-    ray start --head --node-ip-address="$head_ip" --port=@port --num-cpus=@cpus --num-gpus=@gpus --block &
+srun --nodes=1 --ntasks=1 @step -w "$head" "${ray_auth[@@]}" \\
+    ray start --head --node-ip-address="$head_ip" --port=@port --num-cpus=@cpus --num-gpus=@gpus \\
+    --dashboard-host=127.0.0.1 --block &
 ray_pids+=($!)
 wait_for_nodes 1
 
 for node in "${nodes[@@]:1}"; do
     echo "tandem-slurm: Ray worker on $node"
-    srun --nodes=1 --ntasks=1 @step -w "$node" \\
+    srun --nodes=1 --ntasks=1 @step -w "$node" "${ray_auth[@@]}" \\
         ray start --address="$ray_address" --num-cpus=@cpus --num-gpus=@gpus --block &
     ray_pids+=($!)
 done
@@ -84,7 +117,9 @@ wait_for_nodes @nodes
 # SLURM sends SIGTERM to this script @signal_s s before the time limit (--signal=B:TERM@@@signal_s); it is
 # passed on to tandem train, which finishes the step, checkpoints and exits 143. On scancel or a
 # preemption SLURM signals tandem train itself as well: the copy passed on is then a second SIGTERM,
-# which tandem takes as the same stop (only a second Ctrl-C stops it at once).
+# which tandem takes as the same stop (only a second Ctrl-C stops it at once). --resume auto: this same
+# script, requeued (a node failure, a preemption, `scontrol requeue`) or submitted again, continues the run
+# it started, and says so and exits 0 once that run has completed.
 @train &
 train_pid=$!
 on_term() {
@@ -118,10 +153,13 @@ def render_sbatch(
     ray_port: int = 6379,
     wait_s: int = 600,
     signal_s: int = 300,
+    requeue: bool = True,
 ) -> str:
     """The sbatch script (bash) for ``cfg``; ``config_path`` and ``overrides`` are passed to ``tandem train``
     as given (the config path must be readable on the first node). ``wait_s`` bounds the wait for all nodes;
-    SLURM signals the script ``signal_s`` seconds before the time limit (a step and a checkpoint must fit)."""
+    SLURM signals the script ``signal_s`` seconds before the time limit (a step and a checkpoint must fit).
+    ``requeue``: SLURM may requeue the job (a node failure, a preemption); it trains with ``--resume auto``
+    either way, so submitting the script again also continues the run."""
     for name, value in (("nodes", nodes), ("cpus_per_node", cpus_per_node), ("ray_port", ray_port)):
         if value < 1:
             raise LaunchError(f"{name} = {value} must be at least 1")
@@ -142,7 +180,7 @@ def render_sbatch(
         fix="raise --nodes, --gpus-per-node or --cpus-per-node",
     )
     return _SCRIPT.substitute(
-        directives=_directives(nodes, gpus_per_node, cpus_per_node, partition, time_limit, job_name, signal_s),
+        directives=_directives(nodes, gpus_per_node, cpus_per_node, partition, time_limit, job_name, signal_s, requeue),
         activate=f"source {shlex.quote(venv + '/bin/activate')}" if venv else "# (no --venv: tandem and ray on PATH)",
         port=ray_port,
         cpus=cpus_per_node,
@@ -151,7 +189,8 @@ def render_sbatch(
         wait_s=wait_s,
         nodes=nodes,
         signal_s=signal_s,
-        train=train_command(config_path, overrides, '"resources.address=$ray_address"'),
+        token_setup=TOKEN_SETUP.rstrip("\n"),
+        train=train_command(config_path, overrides, '"resources.address=$ray_address"', resume_auto=True),
     )
 
 
@@ -180,6 +219,7 @@ def _directives(
     time_limit: str,
     job_name: str,
     signal_s: int,
+    requeue: bool,
 ) -> str:
     for flag, value in (("--job-name", job_name), ("--time", time_limit), ("--partition", partition)):
         if value is not None and not _DIRECTIVE_VALUE.fullmatch(value):
@@ -197,4 +237,6 @@ def _directives(
         lines.insert(3, f"--gpus-per-node={gpus_per_node}")
     if partition:
         lines.append(f"--partition={partition}")
+    if requeue:  # a requeued job starts the script again: the output of the earlier start stays above
+        lines += ["--requeue", "--open-mode=append"]
     return "\n".join(f"#SBATCH {line}" for line in lines)

@@ -37,15 +37,26 @@ class SubmitError(RuntimeError):
     """Talking to the Ray cluster failed (unreachable address, job that ran past its deadline)."""
 
 
-def train_command(config_path: str, overrides: list[str], address_arg: str | None, program: str = "tandem") -> str:
-    """The shell command that runs training: ``<program> train --config F [resources.address=A] <overrides>``.
+def train_command(
+    config_path: str,
+    overrides: list[str],
+    address_arg: str | None,
+    program: str = "tandem",
+    resume_auto: bool = False,
+) -> str:
+    """The shell command that runs training: ``<program> train --config F [--resume auto] [resources.address=A]
+    <overrides>``.
 
     ``address_arg`` is inserted verbatim (the SLURM script passes a shell variable); every user value is quoted.
+    ``resume_auto``: the command continues the run an earlier start of it began (a scheduler's requeue or
+    retry runs it again; ``launch/resume_auto.py``).
     """
     for key, _ in parse_overrides(overrides):
         if key == "resources.address":
             raise LaunchError("override resources.address is set by the launcher (it knows the cluster); drop it")
     parts = [program, "train", "--config", shlex.quote(config_path)]
+    if resume_auto:
+        parts += ["--resume", "auto"]
     if address_arg is not None:
         parts.append(address_arg)
     return " ".join(parts + [shlex.quote(o) for o in overrides])
