@@ -30,6 +30,7 @@ from cluster.channel import WeightReceiver
 from cluster.logs import redirect_output
 from cluster.timeline import Spans
 from queues.messages import ActorReport, PromptRequest, TrajectoryGroup
+from schema.process import ignore_sigterm
 
 WEIGHT_UPDATES = {"between_requests": BetweenRequests, "inflight": InFlight}  # rollout.weight_update
 
@@ -39,6 +40,7 @@ class GenerationActor:
     Placement (CPUs/GPUs) is given by ``cluster/``, not here; ``ready`` builds the engine."""
 
     def __init__(self, spec: ActorSpec, engine: Any = None):
+        ignore_sigterm()  # a SIGTERM to every process of a job is the driver's to act on
         redirect_output(spec.log_path)
         self.spec = spec
         self.clock = PolicyClock()  # the policy version loaded, and the time spent on weights

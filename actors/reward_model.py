@@ -20,12 +20,14 @@ import os
 from typing import Any
 
 from actors.config import RewardModelConfig
+from schema.process import ignore_sigterm
 
 
 class RewardModelActor:
     """Owns the reward model. Placement (CPUs/GPUs) is given by ``cluster/``, not here."""
 
     def __init__(self, cfg: RewardModelConfig, name: str = "reward-model-0", log_path: str | None = None):
+        ignore_sigterm()  # a SIGTERM to every process of a job is the driver's to act on
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

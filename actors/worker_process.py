@@ -1,5 +1,7 @@
 """What the actors' worker processes share (reward workers, environment workers): each runs in its own
-process group, ends itself when its actor goes away, and is killed together with whatever it started."""
+process group, ends itself when its actor goes away, and is killed together with whatever it started.
+Like every process of a run but the driver, it holds SIGTERM blocked (``launch/build.py``): a SIGTERM to
+every process of a job reaches it too, and only the driver decides how the run ends."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ def become_worker(parent_pid: int) -> None:
     """In the worker: lead a process group of its own (a kill takes whatever it starts too) and exit once
     reparented (its actor died without closing the pool, even by SIGKILL)."""
     os.setsid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (a spawned child does not inherit its actor's)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
 
 

@@ -1,4 +1,5 @@
-"""Variables set in this process's environment for the length of a block, then put back."""
+"""The process environment for the length of a block, then put back: variables, and the signals a
+process started meanwhile inherits blocked."""
 
 from __future__ import annotations
 
@@ -21,3 +22,17 @@ def environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextmanager
+def signals_blocked(*signals: int) -> Iterator[None]:
+    """``signals`` blocked in this thread for the duration: a process started meanwhile inherits the
+    mask through ``exec`` and keeps them pending, never delivered, for its whole life (SIGKILL is
+    never blocked); this thread gets them again after."""
+    import signal
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from cluster.channel import ChannelClosed, NamedTensors, WeightsTimeout
+from schema.process import ignore_sigterm
 
 
 class FlatWeights:
@@ -107,6 +108,7 @@ class _WeightStore:
     version and a reference to its weights."""
 
     def __init__(self):
+        ignore_sigterm()  # a SIGTERM to every process of a job is the driver's to act on
         self.version = 0
         self.ref_box: list = []  # [ObjectRef] (boxed so Ray passes the reference, not the value)
         self.closed = False

@@ -19,6 +19,7 @@ from pathlib import Path
 from actors.adapters import AdapterSpec
 from cluster import reaper
 from cluster.placement import PlacementError, check_fits, local_ray_cpus, ray_options
+from cluster.process_env import signals_blocked
 from launch.config import ModelConfig, TandemConfig
 from launch.plan import Plan, actor_environment, rank_environment, reward_model_environment
 from observe.run_dir import RunLog
@@ -108,13 +109,36 @@ def remove_local_sessions() -> None:
             latest.unlink(missing_ok=True)
 
 
+SIDE_PROCESSES = ("monitor", "dashboard", "log_monitor")  # a local Ray's processes that hold no run state
+
+
+def stop_ray() -> None:
+    """``ray.shutdown``. A local session's processes hold SIGTERM blocked (``_init_ray``), so Ray's own
+    shutdown would wait a second for each before its SIGKILL: the side processes that hold nothing of the
+    run are killed first, and the raylet and GCS server (raylet first, as Ray does) keep their turn."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    node = getattr(ray._private.worker, "_global_node", None)
+    for name in SIDE_PROCESSES if node is not None else ():
+        for info in node.all_processes.get(name, []):
+            if info.process.poll() is None:
+                info.process.kill()
+                info.process.wait()
+    ray.shutdown()
+
+
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
+GCS_GONE_S = 600  # a local session's processes wait this long for a dead GCS server before Ray aborts them
+RAYLET_DIED = "Raylet is terminated"  # ... and Ray's 20-line dump of a dead raylet's log (cluster/ray_watch.py says it)
 
 
 def _quiet_worker_deaths() -> None:
     """At every worker death the raylet prints a ~700-character paragraph of possible causes on the
-    driver's console; the run says what died, what happened and where its log is in one line of its own
-    (``runtime/supervise.py``), so that paragraph is left out. Ray's other messages pass."""
+    driver's console, and at a raylet's death the last 20 lines of its log; the run says what died, what
+    happened and where its log is in one line of its own (``runtime/supervise.py``,
+    ``cluster/ray_watch.py``), so those are left out. Ray's other messages pass."""
     import ray._private.worker as ray_worker
 
     original = getattr(ray_worker, "print_to_stdstream", None)
@@ -122,7 +146,8 @@ def _quiet_worker_deaths() -> None:
         return
 
     def printer(data, ignore_prefix: bool):
-        if data.get("pid") == "raylet" and any(WORKER_DIED in line for line in data.get("lines", [])):
+        lines = data.get("lines", [])
+        if data.get("pid") == "raylet" and any(WORKER_DIED in line or RAYLET_DIED in line for line in lines):
             return None
         return original(data, ignore_prefix)
 
@@ -153,11 +178,17 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
         # start is noise around the lines that matter.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         try:
-            with reaper.marked_environment(token, PYTHONPATH=python_path):
+            # SIGTERM blocked in every process Ray starts (as Ray blocks SIGINT in them): a SIGTERM to the
+            # process group or to every process of a job (a pod stop, scancel) reaches only the driver,
+            # which stops them in order after the checkpoint (runtime/stopping.py); SIGKILL still ends them.
+            with reaper.marked_environment(token, PYTHONPATH=python_path), signals_blocked(signal.SIGTERM):
                 ray.init(
                     num_cpus=local_ray_cpus(kinds, cfg.resources.local_num_cpus),
                     log_to_driver=log_to_driver,
                     include_dashboard=False,
+                    # a dead GCS server aborts every Ray process after this long: room for the driver to
+                    # finish the step, checkpoint and stop (cluster/ray_watch.py) instead of Ray's default 60 s
+                    _system_config={"gcs_rpc_server_reconnect_timeout_s": GCS_GONE_S},
                 )
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = clusters

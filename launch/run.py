@@ -24,6 +24,7 @@ import yaml
 from cluster.logs import append_log
 from launch.config import ConfigError, load_config
 from observe.live import DriverView
+from runtime.disk import disk_full, is_disk_full
 from runtime.signals import SignalWatch
 
 
@@ -34,6 +35,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from cluster.channel import WeightsTimeout
     from cluster.dist_channel import WeightPushError
     from cluster.placement import PlacementError
+    from cluster.ray_watch import RayDied
     from launch.build import StartupError
     from launch.preflight import PreflightError
     from launch.train import LearnerFailed
@@ -41,6 +43,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from queues.prompts import DatasetError
     from runtime.checkpoints import CheckpointError
     from runtime.collector import DataTimeout
+    from runtime.disk import DiskFull
     from runtime.health import RunCannotLearn
     from runtime.supervise import ActorFailed
 
@@ -60,6 +63,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ActorFailed,
         WeightsTimeout,
         WeightPushError,
+        RayDied,
+        DiskFull,
     )
 
 
@@ -105,6 +110,14 @@ def attach_driver_log(run, early: list[str] | None = None) -> Path:
     return log
 
 
+def _log(path: Path, text: str) -> None:
+    """Append to driver.log; a log that cannot be written (a full disk) must not hide the error it records."""
+    try:
+        append_log(path, text)
+    except OSError:
+        pass
+
+
 def aborted_summary(run, started: float, restarts: int):
     """What a second Ctrl-C (stop at once, no checkpoint) still writes: ``summary.json`` saying so."""
 
@@ -133,10 +146,9 @@ def _restartable() -> tuple[type[BaseException], ...]:
 
 
 def _shutdown_ray() -> None:
-    import ray
+    from launch.build import stop_ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+    stop_ray()
 
 
 async def _train_with_signals(cfg, plan, run, rows, model_path, stop, resume, eval_rows):
@@ -263,11 +275,16 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
         status = f"stopped ({progress.stopped})" if progress.stopped else "completed"
     except user_errors() as exc:
         error = error_message(exc)
-        append_log(driver_log, f"error: {error}")
+        _log(driver_log, f"error: {error}")
         raise
     except Exception as exc:
+        if is_disk_full(exc):  # a write of the run's own files (metrics, samples, logs)
+            full = disk_full("the run's files", run.root)
+            error = str(full)
+            _log(driver_log, f"error: {error}\n{traceback.format_exc()}")
+            raise full from None
         error = f"{type(exc).__name__}: {(error_message(exc).strip().splitlines() or [''])[-1]}"
-        append_log(driver_log, f"error: {error}\n{traceback.format_exc()}")
+        _log(driver_log, f"error: {error}\n{traceback.format_exc()}")
         raise UnexpectedError(f"{error}; full traceback: {driver_log}") from None
     finally:
         summary = {**reward_summary(run.root / "metrics.jsonl"), "status": status, "restarts": restarts}
@@ -284,7 +301,10 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
         if status != "failed":
             summary.update(last_checkpoint=str(progress.checkpoint or ""), **progress.details)
             remove_local_sessions()
-        run.close(summary)
+        try:
+            run.close(summary)
+        except OSError as exc:  # a full disk: the error line above still reaches the console
+            print(f"tandem: summary.json could not be written: {exc}", file=sys.stderr)
     run.say(
         f"\n{status} in {format_seconds(summary['wall_s'])}: {summary.get('steps', 0)} steps, mean reward "
         f"{summary.get('reward_first_10pct', 0):.3f} (first 10%) -> {summary.get('reward_last_10pct', 0):.3f} "

@@ -36,6 +36,7 @@ from learner.offload import offload, reload
 from learner.rank import Layout, Models, RankStep, Sampled
 from learner.schedule import lr_factor
 from learner.shard import RankShard
+from schema.process import ignore_sigterm
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class LearnerWorker:
     """A learner rank: created, asked for a rendezvous address (rank 0), then ``setup`` on all ranks."""
 
     def __init__(self, rank: int, world_size: int, log_path: str | None = None, name: str | None = None):
+        ignore_sigterm()  # a SIGTERM to every process of a job is the driver's to act on
         redirect_output(log_path)
         self.rank, self.world_size = rank, world_size
         self.publisher: WeightPublisher | None = None

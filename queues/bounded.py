@@ -23,6 +23,8 @@ import collections
 import threading
 from typing import Any
 
+from schema.process import ignore_sigterm
+
 
 class QueueTimeout(TimeoutError):
     """A put found the queue full for longer than its deadline."""
@@ -75,6 +77,7 @@ class _RayQueueActor:
     ``(ok, value)``: ``ok`` False means the queue is closed."""
 
     def __init__(self, maxsize: int):
+        ignore_sigterm()  # a SIGTERM to every process of a job is the driver's to act on
         self.state = _Deque(maxsize)
         self.changed = asyncio.Condition()
 

@@ -7,8 +7,10 @@ DeepSpeed's ``offload_states``, the cache given back), then every actor wakes wi
 published (weights' memory, the version loaded into it, then the KV cache). A CPU learner offloads
 nothing (the memory is the same); the actors still take their turns.
 
-A dead actor is skipped: the pool replaces it, and a replacement that starts during training is put
-to sleep (``joined``). Every call has the deadline ``timeout_s``.
+A dead or unreachable actor is skipped: the pool replaces it, and a replacement that starts during
+training is put to sleep (``joined``); or the run is stopping (a signal to every process of a job
+reaches the actors too, unless they hold it blocked: ``launch/build.py``) and needs only the
+learner. Every call has the deadline ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class DeviceTurns:
         import ray
 
         for index, result in enumerate(results):
-            if isinstance(result, ray.exceptions.ActorDiedError):
-                continue  # dead: the pool replaces it (``joined``)
+            if isinstance(result, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+                continue  # dead or unreachable: the pool replaces it (``joined``), or the run stops
             if isinstance(result, BaseException):
                 raise RuntimeError(f"actor {index} could not {method}: {type(result).__name__}: {result}") from result

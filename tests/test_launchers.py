@@ -119,6 +119,24 @@ def test_sbatch_without_gpus_has_no_gpu_directive():
     assert "source '/opt/my venv/bin/activate'" in script
 
 
+HOLD_SIGTERM = (
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def test_sbatch_starts_ray_with_sigterm_blocked(cfg, tmp_path):
+    """scancel signals every process of the job: Ray's (the head's and the workers' `ray start`, and all they
+    start) hold SIGTERM blocked, so only tandem train acts on it. The script's own prefix, run for real."""
+    script = sbatch(cfg)
+    prefix = script[script.index("hold_sigterm=") : script.index("\n", script.index("ray_hold=("))]
+    probe = f'{prefix}\n"${{ray_hold[@]}}" grep SigBlk /proc/self/status'
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    blocked = int(done.stdout.split()[-1], 16)
+    assert blocked & (1 << (signal.SIGTERM - 1))
+
+
 def _stubs(tmp_path: Path, nodes_up: int, tandem_rc: int) -> dict[str, str]:
     """Fake scontrol/srun/ray/python3/tandem on PATH that log what the script asks of them. HOME is a folder
     of the test's: the script writes the cluster's Ray token there."""
@@ -151,6 +169,7 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 3, done.stderr  # tandem's exit status is the job's
     auth = f"env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={tmp_path}/home/.ray/auth_token"
+    auth += f" python3 -c {HOLD_SIGTERM}"  # Ray's processes start with SIGTERM blocked
     expected = [
         f"srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w n1 {auth} ray start --head "
         "--node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 --num-gpus=2 --dashboard-host=127.0.0.1 --block"
@@ -298,7 +317,8 @@ def test_the_sbatch_cluster_requires_a_private_token_and_keeps_the_dashboard_on_
     while len(starts := [line for line in (tmp_path / "log").read_text().splitlines() if "ray start" in line]) < 3:
         assert time.monotonic() < deadline, starts
         time.sleep(0.05)
-    auth = f" env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token} ray start "
+    auth = f" env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token}"
+    auth += f" python3 -c {HOLD_SIGTERM} ray start "
     assert all(auth in line for line in starts)  # the head and every worker
     (head,) = [line for line in starts if "--head" in line]
     assert "--dashboard-host=127.0.0.1" in head

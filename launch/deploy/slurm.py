@@ -66,6 +66,11 @@ if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
     echo "tandem-slurm: requeued (restart $SLURM_RESTART_COUNT): tandem train --resume auto continues the run"
 fi
 @token_setup
+# Ray's processes (and every worker they start) hold SIGTERM blocked: scancel and a preemption signal
+# every process of the job, and only tandem train acts on it (it checkpoints, then stops them in order).
+hold_sigterm='import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); '\\
+'os.execvp(sys.argv[1], sys.argv[1:])'
+ray_hold=(python3 -c "$hold_sigterm")
 
 cleanup() {
     ray stop --force >/dev/null 2>&1 || true
@@ -100,7 +105,7 @@ wait_for_nodes() {  # $1: nodes that must be up; gives up at the deadline
 # inherit --cpus-per-task from sbatch, and a step left at one core would confine the raylet and every
 # engine, learner rank and reward worker it starts to that core.
 echo "tandem-slurm: Ray head on $head ($ray_address)"
-srun --nodes=1 --ntasks=1 @step -w "$head" "${ray_auth[@@]}" \\
+srun --nodes=1 --ntasks=1 @step -w "$head" "${ray_auth[@@]}" "${ray_hold[@@]}" \\
     ray start --head --node-ip-address="$head_ip" --port=@port --num-cpus=@cpus --num-gpus=@gpus \\
     --dashboard-host=127.0.0.1 --block &
 ray_pids+=($!)
@@ -108,7 +113,7 @@ wait_for_nodes 1
 
 for node in "${nodes[@@]:1}"; do
     echo "tandem-slurm: Ray worker on $node"
-    srun --nodes=1 --ntasks=1 @step -w "$node" "${ray_auth[@@]}" \\
+    srun --nodes=1 --ntasks=1 @step -w "$node" "${ray_auth[@@]}" "${ray_hold[@@]}" \\
         ray start --address="$ray_address" --num-cpus=@cpus --num-gpus=@gpus --block &
     ray_pids+=($!)
 done

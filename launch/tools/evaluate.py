@@ -13,7 +13,7 @@ from typing import Any
 from cluster.placement import on_this_node, reserve
 from cluster.weights import RayWeightChannel
 from launch.assemble import ActorStarter
-from launch.build import build_generation_actors, start_ray
+from launch.build import build_generation_actors, start_ray, stop_ray
 from launch.config import TandemConfig
 from launch.plan import Plan, build_plan
 from observe.run_dir import RunLog
@@ -78,8 +78,6 @@ def run_evaluation(config_path: str | None, model: str, overrides: list[str]) ->
     import json
     import sys
 
-    import ray
-
     from launch.config import ConfigError, load_config
     from launch.data import load_run_rows
     from launch.preflight import check_context_length, check_output_dir, check_prompt_lengths
@@ -101,8 +99,7 @@ def run_evaluation(config_path: str | None, model: str, overrides: list[str]) ->
         plan = build_plan(cfg.model_copy(update={"run": cfg.run.model_copy(update={"schedule": "overlapped"})}))
         metrics = asyncio.run(evaluate_model(cfg, plan, model_path, rows, run))  # no learner to take turns with
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
+        stop_ray()
     run.close({"model": model_path, **metrics})
     print(json.dumps({"model": model_path, "run_dir": str(run.root), **metrics}))
     return 0
