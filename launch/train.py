@@ -32,6 +32,7 @@ from launch.plan import Plan
 from observe.run_dir import RunLog
 from queues.messages import ActorReport
 from runtime.collector import Batch, DataTimeout, settled
+from runtime.disk import DiskFull
 from runtime.saving import Progress, Resume
 from runtime.step_metrics import sample_records, step_distributions, step_metrics
 from runtime.stopping import StopRequest
@@ -66,10 +67,31 @@ async def train(
     resume: Resume | None = None,
     eval_rows: list[dict] | None = None,
 ) -> Progress:
-    import ray
+    from cluster.ray_watch import RayDied, RayWatch
 
     start_ray(cfg, plan, wait_s=resume.wait_s if resume else 0.0)
     run.mark("ray")
+    watch = RayWatch.of_session()  # Ray's own processes: a death stops the run (GCS) or names the cause (raylet)
+    watching = asyncio.create_task(watch.watch(stop.fail))
+    progress: list[Progress] = []  # the run's, once its parts are built
+    try:
+        await _train(cfg, plan, run, rows, model_path, stop, resume, eval_rows, progress)
+    except Exception as exc:
+        if (death := watch.check()) is None:
+            raise
+        hint = resume_hint(run, progress[0]) if progress else "nothing trained in this start: start it again"
+        raise RayDied(f"{death}; {hint}") from exc
+    finally:
+        watching.cancel()
+    if stop.failure:  # the learner's state is saved: the run still failed
+        raise RayDied(f"{stop.failure}; {resume_hint(run, progress[0])}")
+    return progress[0]
+
+
+async def _train(cfg, plan, run, rows, model_path, stop, resume, eval_rows, out: list[Progress]) -> None:
+    """``train``'s run once Ray is up; the run's ``Progress`` goes into ``out`` as soon as it exists."""
+    import ray
+
     extra = "".join(f", {k.count} separate {k.prefix} process(es)" for k in (plan.critic, plan.reference) if k)
     run.say(
         f"run directory: {run.root}\nstarting {plan.actors.count} generation actor(s) and "
@@ -77,6 +99,7 @@ async def train(
     )
     parts = await assemble(cfg, plan, run, rows, model_path, resume, eval_rows)
     progress, learner = parts.progress, parts.learner
+    out.append(progress)
     which = f"steps {progress.done + 1}-{cfg.run.steps}" if progress.done else f"{cfg.run.steps} steps"
     run.say(
         f"training {which}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} "
@@ -98,6 +121,8 @@ async def train(
             except Exception as ckpt_exc:  # the run's own error matters more
                 run.say(f"could not checkpoint: {type(ckpt_exc).__name__}: {ckpt_exc}")
         raise type(exc)(f"{exc}; {resume_hint(run, progress)}") from None
+    except DiskFull as exc:  # the newest whole checkpoint is where a resume starts, once there is room
+        raise DiskFull(f"{exc}; then {resume_hint(run, progress)}") from None
     except ray.exceptions.RayActorError as exc:
         name = learner.process_names.get(getattr(exc, "actor_id", None) or "")
         if name is None:
@@ -110,7 +135,6 @@ async def train(
         feeding.cancel()
         await close_channels(run, parts)
     await actor_reports(cfg, run, parts)
-    return progress
 
 
 async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: StopRequest, feeding) -> None:

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from observe.run_dir import RunLog
 from runtime.checkpoints import CheckpointError, CheckpointStore
+from runtime.disk import disk_full, is_disk_full, tree_bytes
 from schema import Section
 
 PARTIAL_MODEL = ".partial-model"  # the final model while it is written; renamed to model/ when whole
@@ -106,11 +107,19 @@ class RunSaver:
         progress = self.progress
         done, t0 = progress.done, time.monotonic()
         partial = self.store.begin(done)
-        await self.learner.save_checkpoint(str(partial))
-        if self.settings.save_every and done % self.settings.save_every == 0:
-            await self.learner.save_model(str(partial / "model"))
-        state = {"step": done, "version": done, **self.run_state()}
-        progress.checkpoint, size = self.store.commit(partial, done, state)
+        try:
+            await self.learner.save_checkpoint(str(partial))
+            if self.settings.save_every and done % self.settings.save_every == 0:
+                await self.learner.save_model(str(partial / "model"))
+            state = {"step": done, "version": done, **self.run_state()}
+            progress.checkpoint, size = self.store.commit(partial, done, state)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            saved = self.store.all()  # the newest whole one: what a checkpoint of this run takes
+            need = tree_bytes(saved[0]) if saved else tree_bytes(partial)
+            shutil.rmtree(partial, ignore_errors=True)  # its space back, for summary.json at least
+            raise disk_full(f"checkpoint step-{done}", partial.parent, need) from None
         progress.checkpoint_s = time.monotonic() - t0
         self.last_at = time.monotonic()
         self.run.say(f"checkpoint: {progress.checkpoint} ({size / 1e6:.1f} MB in {progress.checkpoint_s:.1f}s)")
@@ -133,7 +142,14 @@ class RunSaver:
             await self.checkpoint()
         partial, final = run.root / PARTIAL_MODEL, run.root / "model"
         shutil.rmtree(partial, ignore_errors=True)
-        await self.learner.save_model(str(partial))
+        try:
+            await self.learner.save_model(str(partial))
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            need = tree_bytes(final) or None
+            shutil.rmtree(partial, ignore_errors=True)
+            raise disk_full(f"the model of step {done}", run.root, need) from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         run.say(f"model: {final} (Hugging Face format, step {done})")

@@ -2,7 +2,8 @@
 
 The first signal asks the training loop to stop: the step being trained finishes, a step still
 waiting for its batch is abandoned, then the run checkpoints, saves the model, writes
-``summary.json`` and stops every process (exit 130 for SIGINT, 143 for SIGTERM). A second
+``summary.json`` and stops every process (exit 130 for SIGINT, 143 for SIGTERM). A failure of Ray's
+own that leaves the learner's state good (``fail``) stops the same way, then fails. A second
 Ctrl-C stops at once (a person asking twice). A second SIGTERM does not: schedulers send it more
 than once for one event (``scancel`` signals every process of the job, and ``tandem slurm``'s batch
 script passes its own on), and their SIGKILL follows anyway if they do not wait. ``run.time_limit``
@@ -33,7 +34,8 @@ class StopRequest:
         self.on_abort = on_abort  # the second signal: what must still be written before the process ends
         self.time_limit_s = time_limit_s
         self.started = time.monotonic() if started is None else started
-        self.reason: str | None = None  # "SIGINT", "SIGTERM" or "time_limit"
+        self.reason: str | None = None  # "SIGINT", "SIGTERM", "time_limit" or "failure"
+        self.failure: str | None = None  # what the run cannot go on without ended (``fail``)
         self.event = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -74,6 +76,14 @@ class StopRequest:
             f"{sig.name}: finishing the current step, then checkpointing and stopping "
             "(a second Ctrl-C stops at once, without a checkpoint)"
         )
+
+    def fail(self, cause: str) -> None:
+        """Something the run cannot go on without has ended, while the learner still holds a good state
+        (Ray's GCS server, ``cluster/ray_watch.py``): stop as for a signal, then fail with ``cause``."""
+        if self.failure is None:
+            self.failure = cause
+            self.say(f"{cause}; finishing the current step, then checkpointing and stopping")
+            self.request("failure")
 
     def request(self, reason: str) -> None:
         if self.reason is None:
