@@ -171,7 +171,9 @@ async def training_loop(cfg: TandemConfig, run: RunLog, parts: RunParts, stop: S
             parts.health.trained(step, metrics)  # run.max_empty_steps steps in a row that trained nothing stop it
             evaluate(parts, steps)
             await checkpoint(parts, steps)
-        if parts.evaluator.pending:  # the rounds still out (the last one at least) come back before the end
+        # the rounds still out (the last one at least) come back before the end; not after a stop request,
+        # which ends the run as soon as its step is saved (a held-out round can take as long as a step)
+        if parts.evaluator.pending and not stop.requested:
             async with parts.schedule.rest():  # colocated: the engines wake for them
                 await parts.collector.drain_eval(lambda: parts.evaluator.pending, cfg.run.data_timeout_s)
     finally:

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from observe.run_dir import RunLog
 from runtime.checkpoints import CheckpointError, CheckpointStore
-from runtime.disk import disk_full, is_disk_full, tree_bytes
+from runtime.disk import disk_full, free_bytes, is_disk_full, tree_bytes
 from schema import Section
 
 PARTIAL_MODEL = ".partial-model"  # the final model while it is written; renamed to model/ when whole
@@ -114,10 +114,12 @@ class RunSaver:
             state = {"step": done, "version": done, **self.run_state()}
             progress.checkpoint, size = self.store.commit(partial, done, state)
         except Exception as exc:
-            if not is_disk_full(exc):
-                raise
             saved = self.store.all()  # the newest whole one: what a checkpoint of this run takes
             need = tree_bytes(saved[0]) if saved else tree_bytes(partial)
+            # torch says a short write in words of its own ("unexpected pos"); less room left than a
+            # checkpoint takes, after a failed write, is a full disk whatever the words
+            if not is_disk_full(exc) and (free_bytes(partial) or 0) >= need:
+                raise
             shutil.rmtree(partial, ignore_errors=True)  # its space back, for summary.json at least
             raise disk_full(f"checkpoint step-{done}", partial.parent, need) from None
         progress.checkpoint_s = time.monotonic() - t0
@@ -145,9 +147,9 @@ class RunSaver:
         try:
             await self.learner.save_model(str(partial))
         except Exception as exc:
-            if not is_disk_full(exc):
+            need = tree_bytes(final) or tree_bytes(partial)
+            if not is_disk_full(exc) and (free_bytes(partial) or 0) >= need:
                 raise
-            need = tree_bytes(final) or None
             shutil.rmtree(partial, ignore_errors=True)
             raise disk_full(f"the model of step {done}", run.root, need) from None
         shutil.rmtree(final, ignore_errors=True)

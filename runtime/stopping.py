@@ -22,6 +22,17 @@ from collections.abc import Callable
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
+def awaits(coro) -> list[str]:
+    """Where a suspended coroutine waits, outermost first: each frame down the chain of what it awaits."""
+    where = []
+    while coro is not None and len(where) < 30:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            where.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return where
+
+
 class StopRequest:
     def __init__(
         self,
@@ -48,16 +59,26 @@ class StopRequest:
         return EXIT_CODES.get(self.reason or "", 0)
 
     def install(self) -> None:
-        """Take SIGINT and SIGTERM in the running event loop."""
+        """Take SIGINT and SIGTERM in the running event loop; SIGUSR1 says what the driver waits on."""
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._received, sig)
+        self._loop.add_signal_handler(signal.SIGUSR1, self.say_waits)
 
     def uninstall(self) -> None:
         if self._loop is not None:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 self._loop.remove_signal_handler(sig)
             self._loop = None
+
+    def say_waits(self) -> None:
+        """``kill -USR1 PID``: each of the driver's pending tasks and the line it waits at (a run that seems
+        stuck; py-spy shows threads, not what coroutines await)."""
+        lines = [
+            f"  {task.get_name()}: {' -> '.join(awaits(task.get_coro())) or 'not started'}"
+            for task in asyncio.all_tasks(self._loop)
+        ]
+        self.say("SIGUSR1: the driver waits on\n" + "\n".join(sorted(lines)))
 
     def _received(self, sig: signal.Signals) -> None:
         if self.reason in EXIT_CODES and sig == signal.SIGTERM:  # the same event again: already stopping
