@@ -43,6 +43,30 @@ class RayDied(RuntimeError):
     """One of Ray's own processes ended under the run; the message says which and what it means."""
 
 
+def object_store_full(exc: BaseException | None) -> str | None:
+    """The line for Ray's object store found full (``ObjectStoreFullError``) or its spilling disk full
+    (``OutOfDiskError``) anywhere in ``exc``'s chain; None for anything else."""
+    import ray.exceptions
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ray.exceptions.OutOfDiskError):
+            return (
+                "Ray's object store spills to disk and that disk is full (Ray's session folder, under /tmp/ray or "
+                "ray.init's _temp_dir): free space there"
+            )
+        if isinstance(exc, ray.exceptions.ObjectStoreFullError):
+            return (
+                "Ray's object store is full and could not spill (weights and batches pass through it): give the "
+                "node more memory, or free what holds objects (a smaller rollout.prompts_per_step, fewer weight "
+                "versions in flight: run.max_staleness)"
+            )
+        cause = getattr(exc, "cause", None)
+        exc = cause if isinstance(cause, BaseException) else (exc.__cause__ or exc.__context__)
+    return None
+
+
 def ended(name: str, pid: int | None, returncode: int | None) -> str:
     """The line for Ray's process ``name`` that ended with ``returncode`` (a negative one: a signal)."""
     what, meaning = WHAT[name]

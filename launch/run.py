@@ -183,6 +183,7 @@ def run_training(
 def _run_training(config_path, overrides, resume_dir, result, locks: list, allow_changes: bool) -> int:
     from actors.env_pool import check_environment
     from actors.rewards import check_rewards
+    from cluster.ray_watch import RayDied, object_store_full
     from launch.build import prepare_model, remove_local_sessions
     from launch.data import load_run_rows
     from launch.plan import build_plan
@@ -278,6 +279,10 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
         _log(driver_log, f"error: {error}")
         raise
     except Exception as exc:
+        if (full := object_store_full(exc)) is not None:
+            error = full
+            _log(driver_log, f"error: {error}\n{traceback.format_exc()}")
+            raise RayDied(full) from None
         if is_disk_full(exc):  # a write of the run's own files (metrics, samples, logs)
             full = disk_full("the run's files", run.root)
             error = str(full)

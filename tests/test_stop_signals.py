@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cluster.process_env import signals_blocked
-from cluster.ray_watch import RayWatch, ended
+from cluster.ray_watch import RayWatch, ended, object_store_full
 from runtime.disk import disk_full, is_disk_full
 from schema.process import ignore_sigterm
 
@@ -153,3 +153,42 @@ def test_the_disk_full_line_names_the_path_the_space_free_and_the_space_needed(t
     assert line.startswith(f"disk full: checkpoint step-4 could not be written to {tmp_path / 'checkpoints'} (")
     assert " MB free on that filesystem; it needs about 3.8 MB); free space there" in line
     assert "\n" not in line  # one line
+
+
+def test_ray_s_object_store_and_spill_disk_full_are_one_line_each():
+    import ray.exceptions
+
+    class Wrapped(Exception):
+        def __init__(self, cause):
+            super().__init__("ray::publish ...")
+            self.cause = cause
+
+    assert "spills to disk and that disk is full" in object_store_full(Wrapped(ray.exceptions.OutOfDiskError()))
+    assert object_store_full(ray.exceptions.ObjectStoreFullError()).startswith("Ray's object store is full")
+    assert object_store_full(ValueError("x")) is None
+
+
+def test_sigusr1_says_where_each_of_the_driver_s_tasks_waits():
+    from runtime.stopping import StopRequest
+
+    said: list[str] = []
+
+    async def waits_for_a_batch(event: asyncio.Event) -> None:
+        await event.wait()
+
+    async def go():
+        stop = StopRequest(said.append)
+        stop.install()
+        event = asyncio.Event()
+        task = asyncio.create_task(waits_for_a_batch(event), name="collect")
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await asyncio.sleep(0.2)
+        event.set()
+        await task
+        stop.uninstall()
+
+    asyncio.run(go())
+    (text,) = said
+    assert text.startswith("SIGUSR1: the driver waits on")
+    assert "collect: waits_for_a_batch (test_stop_signals.py:" in text and "-> wait (locks.py:" in text
