@@ -80,21 +80,31 @@ class ActorStarter:
         self.queues, self.channels = queues, channels
         self.timeouts = ActorTimeouts(data_s=cfg.run.data_timeout_s, weights_s=cfg.run.weights_timeout_s)
 
+    def name(self, index: int) -> str:
+        """Actor ``index``'s name: one the run started with, or one that joined (``tandem scale``)."""
+        return self.names[index] if index < len(self.names) else f"{self.plan.actors.prefix}-{index}"
+
     def run_loop(self, actor, index: int):
         prompt_queue, results_queue = self.queues
-        return actor.run.remote(prompt_queue, results_queue, self.channels[index], self.timeouts)
+        # an actor that joined: a Ray channel's receivers are all the channel itself (a distributed one,
+        # whose members are fixed, takes no new actor: runtime/fleet.py)
+        channel = self.channels[index] if index < len(self.channels) else self.channels[0]
+        return actor.run.remote(prompt_queue, results_queue, channel, self.timeouts)
 
     async def start(self, index: int):
-        """A replacement for actor ``index``. When its node was lost, Ray first places its bundle again
-        (on a node with room, or never: then the run checkpoints and stops naming the node)."""
-        name, lost = self.names[index], self.run.placement.get(self.names[index])
+        """Actor ``index``: a replacement, or one that joins. When a replaced actor's node was lost, Ray first
+        places its bundle again (on a node with room, or never: then the run checkpoints and stops naming the
+        node); one that joins has no bundle and starts wherever Ray finds room."""
+        name = self.name(index)
+        lost = self.run.placement.get(name) if name in self.scheduling else None
         while True:
             actor = generation_actor(self.cfg, self.plan, self.model_path, self.run, self.scheduling, index)
             try:
                 await await_actors(self.cfg, self.run, [actor], [name])
                 return actor
             except StartupError:
-                if not node_is_gone(lost):
+                if lost is None or not node_is_gone(lost):
+                    _kill(actor)  # still waiting for room, or broken: it must not start after all, unwatched
                     raise  # its node is alive: the actor itself cannot start, and the error says why
                 self.run.say(f"{name}: its node {str(lost)[:8]} is gone; waiting for Ray to place it on another node")
                 deadline = time.monotonic() + self.cfg.resources.placement_timeout_s
@@ -104,6 +114,15 @@ class ActorStarter:
                     raise ActorFailed(f"{name} cannot be replaced: {missing}") from None
                 self.run.say(f"{name}: placed on node {where[:8]}; starting it there")
                 lost = None  # placed again: a failure from here on is the actor's own
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
 
 
 async def _timed(run: RunLog, phase: str, building):

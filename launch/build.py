@@ -114,19 +114,38 @@ SIDE_PROCESSES = ("monitor", "dashboard", "log_monitor")  # a local Ray's proces
 
 def stop_ray() -> None:
     """``ray.shutdown``. A local session's processes hold SIGTERM blocked (``_init_ray``), so Ray's own
-    shutdown would wait a second for each before its SIGKILL: the side processes that hold nothing of the
-    run are killed first, and the raylet and GCS server (raylet first, as Ray does) keep their turn."""
+    shutdown would wait a second for each before its SIGKILL: the run's workers (done by now) and the side
+    processes that hold nothing of the run are killed first, and the raylet and GCS server (raylet first,
+    as Ray does) keep their turn. The command returns with no process of the run left."""
     import ray
 
     if not ray.is_initialized():
         return
     node = getattr(ray._private.worker, "_global_node", None)
+    for info in node.all_processes.get("raylet", []) if node is not None else ():
+        _kill_below(info.process.pid)  # the run's workers: none outlives the command (they finished)
     for name in SIDE_PROCESSES if node is not None else ():
         for info in node.all_processes.get(name, []):
             if info.process.poll() is None:
                 info.process.kill()
                 info.process.wait()
     ray.shutdown()
+
+
+def _kill_below(pid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL every process below ``pid`` and wait for them (a raylet's workers outlived it by seconds)."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for process in below:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(below, timeout=wait_s)
 
 
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
@@ -226,7 +245,7 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
 
     kind = plan.actors
     Actor = ray.remote(GenerationActor)
-    name = kind.names()[index]
+    name = f"{kind.prefix}-{index}"  # one the run started with, or one that joined (runtime/fleet.py)
     spec = ActorSpec(
         name=name,
         model_path=model_path,
@@ -245,7 +264,8 @@ def generation_actor(cfg: TandemConfig, plan: Plan, model_path: str, run: RunLog
         adapter=adapter_spec(cfg),
         sleep_level=engine_sleep_level(cfg),
     )
-    return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling[name])).remote(spec)
+    # one that joined has no placement bundle: it asks for its own resources, on any node with room
+    return Actor.options(**ray_options(kind, actor_environment(cfg, index), scheduling.get(name))).remote(spec)
 
 
 def adapter_spec(cfg: TandemConfig) -> AdapterSpec | None:

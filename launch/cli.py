@@ -5,6 +5,7 @@ tandem train --config FILE.yaml [key=value]   train with a config file and overr
 tandem train --resume RUN_DIR [key=value]     continue a run from its newest intact checkpoint
 tandem train --config F --resume auto [k=v]   continue the newest unfinished run of its name, or start one
 tandem export RUN_DIR [--step N] --out DIR    write a run's policy as a Hugging Face model
+tandem scale RUN_DIR --actors N               grow or shrink a running run's fleet of generation actors
 tandem eval --model DIR --config F [k=v]      evaluate a saved model on the config's held-out set
 tandem example math [key=value ...]           warm-start a tiny chat model, GRPO with math-verify, eval
 tandem example tools [key=value ...]          warm-start a tiny tool-calling model, multi-turn GRPO, eval
@@ -255,6 +256,31 @@ def _add_tuning(sub) -> None:
     tu.add_argument("overrides", nargs="*", help="config overrides for every probe, key=value")
 
 
+def _scale(run_dir: str, actors: int) -> int:
+    """``tandem scale``: the request goes into the run directory; the running driver takes it (runtime/fleet.py)."""
+    from runtime.fleet import FleetError, request_size
+    from runtime.run_lock import RunDirBusy, RunLock
+
+    root = Path(run_dir)
+    try:
+        request_size(root, actors)
+    except FleetError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        RunLock.acquire(root).release()  # free: nobody trains in it now
+    except RunDirBusy:
+        pass
+    else:
+        print(
+            f"tandem: error: {root} is not running (a run starts with resources.actors.count): resume it with "
+            f"resources.actors.count={actors}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"asked {root} for {actors} generation actor(s); its console and logs/driver.log say when they are in")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous actor-learner RL for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -306,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("run_dir")
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest intact one)")
     ex.add_argument("--out", required=True, help="directory to write (new or empty)")
+    sc = sub.add_parser("scale", help="grow or shrink a running run's fleet of generation actors")
+    sc.add_argument("run_dir")
+    sc.add_argument("--actors", type=int, required=True, help="generation actors the run should have")
     ev = sub.add_parser("eval", help="evaluate a saved model on the config's held-out set (pass@1, pass@k)")
     ev.add_argument("--model", required=True, help="model directory (e.g. RUN_DIR/model) or Hugging Face id")
     ev.add_argument("--config", required=True, help="YAML config: its eval, data, reward, rollout and engine")
@@ -346,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_tiny_model(args.dir, chat=args.chat))
             return 0
+        if args.command == "scale":
+            return _scale(args.run_dir, args.actors)
         if args.command == "export":
             from launch.tools.export import export_model
 

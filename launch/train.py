@@ -23,7 +23,7 @@ import asyncio
 import collections
 import time
 
-from cluster.channel import WeightsTimeout
+from cluster.channel import WeightsTimeout, replacement_refused
 from cluster.dist_channel import WeightPushError
 from launch.assemble import RunParts, assemble
 from launch.build import start_ray
@@ -33,6 +33,7 @@ from observe.run_dir import RunLog
 from queues.messages import ActorReport
 from runtime.collector import Batch, DataTimeout, settled
 from runtime.disk import DiskFull
+from runtime.fleet import FleetWatch
 from runtime.saving import Progress, Resume
 from runtime.step_metrics import sample_records, step_distributions, step_metrics
 from runtime.stopping import StopRequest
@@ -47,6 +48,13 @@ class LearnerFailed(RuntimeError):
 
 # failures after which the learner still holds a good state: the run checkpoints before it stops
 CHECKPOINT_ON = (ActorFailed, DataTimeout, WeightsTimeout, WeightPushError)
+
+
+def fleet_refused(cfg: TandemConfig) -> str | None:
+    """Why this run's fleet of generation actors cannot grow or shrink (``runtime/fleet.py``), or None."""
+    if cfg.run.schedule == "colocated":
+        return "run.schedule=colocated: its actors live on the learner's devices"
+    return replacement_refused(cfg.weights)
 
 
 def resume_hint(run: RunLog, progress: Progress) -> str:
@@ -106,6 +114,8 @@ async def _train(cfg, plan, run, rows, model_path, stop, resume, eval_rows, out:
         f"samples per step, max staleness {cfg.run.max_staleness}"
     )
     feeding = settled(asyncio.create_task(parts.admission.feed()), run.say, "the rollout loop")
+    fleet = FleetWatch(run.root, parts.pool.resize, run.say, fleet_refused(cfg))  # `tandem scale RUN_DIR`
+    scaling = settled(asyncio.create_task(fleet.watch()), run.say, "the fleet's watch")
     try:
         if progress.done:  # the actors generate with the resumed policy, version `first` (a distributed
             run.timeline(await learner.publish_weights(progress.done))  # receiver joins when its actor takes a prompt)
@@ -132,6 +142,7 @@ async def _train(cfg, plan, run, rows, model_path, stop, resume, eval_rows, out:
             f"{run.log_path(name)}; {resume_hint(run, progress)}"
         ) from None
     finally:
+        scaling.cancel()
         feeding.cancel()
         await close_channels(run, parts)
     await actor_reports(cfg, run, parts)

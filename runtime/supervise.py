@@ -178,6 +178,9 @@ def fix_for(line: str) -> str:
 class ActorStarter(Protocol):
     """How the pool starts an actor and its loop (``launch/assemble.py`` makes the real one)."""
 
+    def name(self, index: int) -> str:
+        """Actor ``index``'s name (one that joins the fleet gets the next index)."""
+
     async def start(self, index: int) -> object:
         """A new, ready generation actor ``index`` (on its placement bundle, placed again if its node is gone)."""
 
@@ -208,15 +211,68 @@ class ActorPool(ActorWatch):
         self.restarts = collections.Counter(restarts or {})
         self.deaths: dict[str, str] = {}  # a death's signature -> the actor that died so first
         self.on_replaced = None  # async (new actor) -> None: the colocated schedule puts it to sleep in training
+        self.planned = len(names)  # the actors the run started with; later ones joined by `tandem scale`
+        self.leaving: set[str] = set()  # actors stopped on purpose (`tandem scale`): their loops end, no restart
         super().__init__({starter.run_loop(a, i): n for i, (a, n) in enumerate(zip(actors, names, strict=True))}, run)
 
     @property
     def total_restarts(self) -> int:
         return sum(self.restarts.values())
 
+    @property
+    def live(self) -> list[str]:
+        """The actors in the fleet now, oldest first (not those that left)."""
+        return [name for name in self.names if name not in self.leaving]
+
+    async def resize(self, size: int) -> None:
+        """Grow or shrink the fleet to ``size`` actors (``runtime/fleet.py``): new actors start on any node
+        with room, the newest leave first and the prompts they held are generated again."""
+        live = self.live
+        if size == len(live):
+            return
+        self.run.say(f"fleet: {len(live)} -> {size} generation actors (tandem scale)")
+        for name in reversed(live[size:]):
+            await self._leave(name, "left the fleet")
+        for _ in range(size - len(live)):
+            if not await self._join():
+                break
+        self.run.say(f"fleet: {len(self.live)} generation actors ({', '.join(self.live)})")
+
+    async def _join(self) -> bool:
+        """One more actor, under the next free name; False when no node took it in time (said)."""
+        index = len(self.names)
+        name = self.starter.name(index)
+        self.names.append(name)
+        self.actors.append(None)
+        try:
+            self.actors[index] = await self.starter.start(index)
+        except Exception as exc:  # no room within run.startup_timeout_s, or it failed to start: said, not fatal
+            self.leaving.add(name)
+            self.run.say(f"fleet: {name} did not join: {error_line(exc)}")
+            return False
+        self.watch(self.starter.run_loop(self.actors[index], index), name)
+        return True
+
+    async def _leave(self, name: str, why: str) -> None:
+        """``name`` stops; its loop's end hands its prompts back (``ended``)."""
+        self.leaving.add(name)
+        _kill(self.actors[self.names.index(name)])
+        self.run.say(f"{name} {why}; the prompts it held are generated again by the others")
+
+    async def _hand_back(self, name: str) -> None:
+        """A leaving actor's loop ended: the prompts it took and did not push go out again, once."""
+        held = await self._held_by(name)
+        await self.admission.again(held)
+        self.refs.pop(name, None)  # not waited for at the end
+        if held:
+            self.run.say(f"{name}: {len(held)} prompt(s) it held are generated again")
+
     async def ended(self, loop: asyncio.Future) -> None:
         name = self.loops.pop(loop)
         if loop.cancelled():  # the run is stopping
+            return
+        if name in self.leaving:
+            await self._hand_back(name)
             return
         log = self.run.log_path(name)
         death = describe_death(loop, log)
@@ -245,7 +301,15 @@ class ActorPool(ActorWatch):
         index = self.names.index(name)
         _kill(self.actors[index])  # its resources (a placement bundle) go to the new one
         await self.admission.again(held)
-        self.actors[index] = await self.starter.start(index)
+        try:
+            self.actors[index] = await self.starter.start(index)
+        except Exception as exc:
+            if index < self.planned or len(self.live) < 2:
+                raise
+            self.leaving.add(name)  # a joined actor with nowhere to go: the fleet goes on without it
+            self.refs.pop(name, None)
+            self.run.say(f"fleet: {name} could not be started again ({error_line(exc)}); {len(self.live)} actors go on")
+            return
         self.watch(self.starter.run_loop(self.actors[index], index), name)
         if self.on_replaced is not None:
             await self.on_replaced(self.actors[index])
@@ -255,6 +319,11 @@ class ActorPool(ActorWatch):
         taken = await prompt_queue.taken_by(name)
         waiting = set(await results_queue.prompt_ids())
         return sorted(i for i in set(taken) if self.admission.outstanding(i) and i not in waiting)
+
+
+def error_line(exc: BaseException) -> str:
+    said = str(exc).strip().splitlines()
+    return _cut(f"{type(exc).__name__}: {said[-1]}" if said else type(exc).__name__)
 
 
 def _kill(actor) -> None:

@@ -151,6 +151,9 @@ class FakeStarter:
     def __init__(self, loops):
         self.loops, self.started = iter(loops), []
 
+    def name(self, index: int) -> str:
+        return f"actor-{index}"
+
     async def start(self, index: int):
         self.started.append(index)
         return f"new-{index}"
