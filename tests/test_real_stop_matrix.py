@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.runs import read_metrics
-from tests.test_real_recovery import assert_nothing_left, final_state, spawn, trained_ids, wait_for_steps
+from tests.test_real_recovery import _alive, assert_nothing_left, final_state, spawn, trained_ids, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +141,12 @@ def send_sigterm(proc: subprocess.Popen, where: str) -> int:
     return len(targets)
 
 
+def assert_gone_when_it_returns(root: Path) -> None:
+    """No actor or learner rank of the run outlives the command (they had by up to 5 s)."""
+    pids = {name: p["pid"] for name, p in json.loads((root / "processes.json").read_text()).items()}
+    assert not [name for name, pid in pids.items() if _alive(pid)]
+
+
 def driver_log(out: Path) -> str:
     return (out.parent / f"{out.name}-driver.log").read_text()
 
@@ -173,6 +179,7 @@ def test_a_sigterm_stops_every_schedule_with_a_checkpoint_and_leaves_nothing(
     assert summary["status"] == "stopped (SIGTERM)" and summary["steps"] == done < 10
     assert (root / "checkpoints" / f"step-{done}" / "manifest.json").is_file()
     assert (root / "model" / "config.json").is_file()
+    assert_gone_when_it_returns(root)
     assert_every_prompt_trained_or_pending(out, root)
     assert_nothing_left(root)
     assert "Traceback" not in driver_log(out)
