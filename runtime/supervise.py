@@ -213,11 +213,17 @@ class ActorPool(ActorWatch):
         self.on_replaced = None  # async (new actor) -> None: the colocated schedule puts it to sleep in training
         self.planned = len(names)  # the actors the run started with; later ones joined by `tandem scale`
         self.leaving: set[str] = set()  # actors stopped on purpose (`tandem scale`): their loops end, no restart
+        self.starting: set[asyncio.Future] = set()  # joined actors being started again, beside the run
         super().__init__({starter.run_loop(a, i): n for i, (a, n) in enumerate(zip(actors, names, strict=True))}, run)
 
     @property
     def total_restarts(self) -> int:
         return sum(self.restarts.values())
+
+    def close(self) -> None:
+        for starting in self.starting:  # the run is ending: no joined actor is started again
+            starting.cancel()
+        super().close()
 
     @property
     def live(self) -> list[str]:
@@ -301,18 +307,29 @@ class ActorPool(ActorWatch):
         index = self.names.index(name)
         _kill(self.actors[index])  # its resources (a placement bundle) go to the new one
         await self.admission.again(held)
-        try:
-            self.actors[index] = await self.starter.start(index)
-        except Exception as exc:
-            if index < self.planned or len(self.live) < 2:
-                raise
-            self.leaving.add(name)  # a joined actor with nowhere to go: the fleet goes on without it
-            self.refs.pop(name, None)
-            self.run.say(f"fleet: {name} could not be started again ({error_line(exc)}); {len(self.live)} actors go on")
+        if index >= self.planned:  # one that joined: started again beside the run, which goes on meanwhile
+            self.refs.pop(name, None)  # (watched again once it is up)
+            starting = asyncio.ensure_future(self._start_again(name, index))
+            self.starting.add(starting)
+            starting.add_done_callback(self.starting.discard)
             return
+        self.actors[index] = await self.starter.start(index)
         self.watch(self.starter.run_loop(self.actors[index], index), name)
         if self.on_replaced is not None:
             await self.on_replaced(self.actors[index])
+
+    async def _start_again(self, name: str, index: int) -> None:
+        """A joined actor, started again; where no node has room for it in time, it leaves the fleet (the
+        actors the run started with keep their placement bundles: only they stop the run)."""
+        try:
+            self.actors[index] = await self.starter.start(index)
+        except Exception as exc:
+            self.leaving.add(name)
+            n = len(self.live)
+            self.run.say(f"fleet: {name} could not be started again ({error_line(exc)}); {n} actor(s) go on")
+            return
+        self.watch(self.starter.run_loop(self.actors[index], index), name)
+        self.run.say(f"fleet: {name} is back ({len(self.live)} generation actors)")
 
     async def _held_by(self, name: str) -> list[int]:
         prompt_queue, results_queue = self.queues
