@@ -1,6 +1,6 @@
 """What the actors' worker processes share (reward workers, environment workers): each runs in its own
 process group, ends itself when its actor goes away, and is killed together with whatever it started.
-Like every process of a run but the driver, it holds SIGTERM blocked (``launch/build.py``): a SIGTERM to
+Like every process of a run but the driver, it holds SIGTERM blocked (``launch/ray_session.py``): a SIGTERM to
 every process of a job reaches it too, and only the driver decides how the run ends."""
 
 from __future__ import annotations

@@ -90,9 +90,10 @@ def main() -> None:
 
     import learner.worker
     from actors.tiny_model import build_tiny_model
-    from launch.build import build_learner_group, start_ray
+    from launch.build import build_learner_group
     from launch.config import load_config
     from launch.plan import build_plan
+    from launch.ray_session import start_ray
     from observe.run_dir import RunLog
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-driver-"))

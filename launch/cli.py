@@ -25,70 +25,11 @@ import sys
 from pathlib import Path
 
 from launch.config import ConfigError, config_reference, load_config
+from launch.deploy.commands import add_launchers, render_launcher
 from launch.deploy.submit import LaunchError, SubmitError
 from launch.run import UnexpectedError, error_message, run_training, user_errors
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-
-
-def _render_launcher(args: argparse.Namespace) -> int:
-    """``tandem slurm`` / ``tandem k8s``: validate the config, print (or write) the script or manifest."""
-    cfg = load_config(args.config, args.overrides)
-    if args.command == "slurm":
-        from launch.deploy.slurm import render_sbatch
-
-        text = render_sbatch(
-            cfg,
-            args.config,
-            args.overrides,
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            cpus_per_node=args.cpus_per_node,
-            partition=args.partition,
-            time_limit=args.time,
-            job_name=args.job_name,
-            venv=args.venv,
-            ray_port=args.ray_port,
-            wait_s=args.wait,
-            signal_s=args.signal_s,
-            requeue=args.requeue,
-        )
-    else:
-        from launch.deploy.k8s import render_rayjob
-
-        env = dict(item.partition("=")[::2] for item in args.env)
-        text = render_rayjob(
-            cfg,
-            args.config,
-            args.overrides,
-            name=args.name,
-            image=args.image,
-            namespace=args.namespace,
-            worker_replicas=args.workers,
-            gpus_per_worker=args.gpus_per_worker,
-            cpus_per_worker=args.cpus_per_worker,
-            memory_per_worker=args.memory_per_worker,
-            head_cpus=args.head_cpus,
-            head_memory=args.head_memory,
-            ttl_s=args.ttl,
-            workdir=args.workdir,
-            env=env or None,
-            retries=args.retries,
-            runs_pvc=args.runs_pvc,
-            token_secret=args.token_secret,
-        )
-        if args.retries and not args.runs_pvc:
-            print(
-                "tandem: warning: without --runs-pvc the run directory is on the head pod's disk and goes with its "
-                "cluster: a retry (--retries) starts the run over",
-                file=sys.stderr,
-            )
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}", file=sys.stderr)
-    else:
-        print(text, end="")
-    return 0
 
 
 def show_plan(
@@ -146,96 +87,6 @@ def _show_memory(cfg, gpu_gib: float, given: str | None) -> int:
     return 0
 
 
-def _add_launchers(sub) -> None:
-    pl = sub.add_parser("plan", help="print the placement without running it")
-    pl.add_argument("--config", action="append", required=True, help="YAML config (several merge in order)")
-    pl.add_argument("--address", help="check against this running Ray cluster")
-    pl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
-    pl.add_argument(
-        "--model-shape",
-        help="the model's shape: a Qwen2.5 size (0.5B, 1.5B, 3B, 7B) or a folder with "
-        "config.json (default: model.path's)",
-    )
-    pl.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    sl = sub.add_parser("slurm", help="print an sbatch script: Ray over the allocation, then tandem train")
-    sl.add_argument("--config", required=True, help="YAML config (readable on the first node)")
-    sl.add_argument("--nodes", type=int, required=True)
-    sl.add_argument("--gpus-per-node", type=int, default=0)
-    sl.add_argument("--cpus-per-node", type=int, required=True)
-    sl.add_argument("--partition")
-    sl.add_argument("--time", default="24:00:00", help="SLURM time limit")
-    sl.add_argument("--job-name", default="tandem")
-    sl.add_argument("--venv", help="virtual environment to activate on the nodes")
-    sl.add_argument("--ray-port", type=int, default=6379)
-    sl.add_argument("--wait", type=int, default=600, help="seconds to wait for all nodes to join")
-    sl.add_argument(
-        "--signal-s",
-        type=int,
-        default=300,
-        help="SIGTERM to the job this many seconds before --time: tandem train checkpoints and stops",
-    )
-    sl.add_argument(
-        "--requeue",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="#SBATCH --requeue: SLURM may requeue the job after a node failure or a preemption (default on); the "
-        "script trains with --resume auto, so a requeued or resubmitted job continues its run",
-    )
-    sl.add_argument("--out", help="write the script here instead of stdout")
-    sl.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    k8 = sub.add_parser("k8s", help="print a KubeRay RayJob manifest")
-    k8.add_argument("--config", required=True, help="config path inside the image (relative to --workdir)")
-    k8.add_argument("--image", required=True, help="container image with Tandem and Ray installed")
-    k8.add_argument("--name", default="tandem")
-    k8.add_argument("--namespace")
-    k8.add_argument("--workers", type=int, required=True, help="worker pods")
-    k8.add_argument("--gpus-per-worker", type=int, default=0)
-    k8.add_argument("--cpus-per-worker", type=int, required=True)
-    k8.add_argument("--memory-per-worker", default="32Gi")
-    k8.add_argument("--head-cpus", type=int, default=2)
-    k8.add_argument("--head-memory", default="8Gi")
-    k8.add_argument("--ttl", type=int, default=600, help="seconds the finished cluster is kept")
-    k8.add_argument("--workdir", help="directory in the image to run from")
-    k8.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env var for the job (repeat)")
-    k8.add_argument(
-        "--retries",
-        type=int,
-        default=2,
-        help="the RayJob's backoffLimit: a failed job runs again on a new cluster with --resume auto (default 2)",
-    )
-    k8.add_argument(
-        "--runs-pvc",
-        metavar="CLAIM",
-        help="PersistentVolumeClaim mounted at run.output_dir on every pod (ReadWriteMany with several pods): the "
-        "runs outlive the cluster, so a retry resumes",
-    )
-    k8.add_argument(
-        "--token-secret",
-        metavar="SECRET",
-        help="a Secret holding the Ray token under the key auth_token (default: the operator makes one)",
-    )
-    k8.add_argument("--out", help="write the manifest here instead of stdout")
-    k8.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    sb = sub.add_parser("submit", help="run training as a Ray job on a running cluster")
-    sb.add_argument("--config", required=True, help="YAML config inside --working-dir")
-    sb.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://head:8265")
-    sb.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: here)")
-    sb.add_argument("--no-follow", action="store_true", help="return after submitting")
-    sb.add_argument("--timeout", type=float, help="stop the job after this many seconds")
-    sb.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="also ship this file or folder of --working-dir (repeat); by default: what git tracks, the config "
-        "and the files it names",
-    )
-    sb.add_argument(
-        "--dry-run", action="store_true", help="print the files that would ship, with sizes; submit nothing"
-    )
-    sb.add_argument("overrides", nargs="*", help="config overrides, key=value")
-
-
 def _add_tuning(sub) -> None:
     rp = sub.add_parser("report", help="write report.html (curves, staleness, TIS, idle, timeline) of run directories")
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
@@ -254,31 +105,6 @@ def _add_tuning(sub) -> None:
     tu.add_argument("--max-mismatch-kl", type=float, default=0.02, help="threshold: sampler/learner KL (0.02)")
     tu.add_argument("--max-dropped", type=float, default=0.10, help="threshold: dropped-stale per group (0.10)")
     tu.add_argument("overrides", nargs="*", help="config overrides for every probe, key=value")
-
-
-def _scale(run_dir: str, actors: int) -> int:
-    """``tandem scale``: the request goes into the run directory; the running driver takes it (runtime/fleet.py)."""
-    from runtime.fleet import FleetError, request_size
-    from runtime.run_lock import RunDirBusy, RunLock
-
-    root = Path(run_dir)
-    try:
-        request_size(root, actors)
-    except FleetError as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        RunLock.acquire(root).release()  # free: nobody trains in it now
-    except RunDirBusy:
-        pass
-    else:
-        print(
-            f"tandem: error: {root} is not running (a run starts with resources.actors.count): resume it with "
-            f"resources.actors.count={actors}",
-            file=sys.stderr,
-        )
-        return 2
-    print(f"asked {root} for {actors} generation actor(s); its console and logs/driver.log say when they are in")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--model", required=True, help="model directory (e.g. RUN_DIR/model) or Hugging Face id")
     ev.add_argument("--config", required=True, help="YAML config: its eval, data, reward, rollout and engine")
     ev.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. eval.samples=8)")
-    _add_launchers(sub)
+    add_launchers(sub)
     _add_tuning(sub)
     args = parser.parse_args(argv)
 
@@ -350,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return show_plan(args.config, args.overrides, args.address, args.gpu_memory_gib, args.model_shape)
         if args.command in ("slurm", "k8s"):
-            return _render_launcher(args)
+            return render_launcher(args)
         if args.command == "submit":
             from launch.deploy.submit import submit
 
@@ -376,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             print(build_tiny_model(args.dir, chat=args.chat))
             return 0
         if args.command == "scale":
-            return _scale(args.run_dir, args.actors)
+            from launch.tools.scale import scale_fleet
+
+            return scale_fleet(args.run_dir, args.actors)
         if args.command == "export":
             from launch.tools.export import export_model
 

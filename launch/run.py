@@ -146,7 +146,7 @@ def _restartable() -> tuple[type[BaseException], ...]:
 
 
 def _shutdown_ray() -> None:
-    from launch.build import stop_ray
+    from launch.ray_session import stop_ray
 
     stop_ray()
 
@@ -184,10 +184,11 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     from actors.env_pool import check_environment
     from actors.rewards import check_rewards
     from cluster.ray_watch import RayDied, object_store_full
-    from launch.build import prepare_model, remove_local_sessions
+    from launch.build import prepare_model
     from launch.data import load_run_rows
     from launch.plan import build_plan
     from launch.preflight import check_answers, check_prompt_lengths, preflight
+    from launch.ray_session import remove_local_sessions
     from launch.train import time_limit_s
     from learner.config import regroup
     from observe.run_dir import RunLog, format_seconds, startup_phases

@@ -26,9 +26,9 @@ import time
 from cluster.channel import WeightsTimeout, replacement_refused
 from cluster.dist_channel import WeightPushError
 from launch.assemble import RunParts, assemble
-from launch.build import start_ray
 from launch.config import TandemConfig, parse_duration
 from launch.plan import Plan
+from launch.ray_session import start_ray
 from observe.run_dir import RunLog
 from queues.messages import ActorReport
 from runtime.collector import Batch, DataTimeout, settled

@@ -9,7 +9,7 @@ nothing (the memory is the same); the actors still take their turns.
 
 A dead or unreachable actor is skipped: the pool replaces it, and a replacement that starts during
 training is put to sleep (``joined``); or the run is stopping (a signal to every process of a job
-reaches the actors too, unless they hold it blocked: ``launch/build.py``) and needs only the
+reaches the actors too, unless they hold it blocked: ``launch/ray_session.py``) and needs only the
 learner. Every call has the deadline ``timeout_s``.
 """
 

@@ -1,6 +1,6 @@
 """A local Ray leaves nothing behind and is reachable from this machine only.
 
-A child Python process plays the driver: it calls ``launch.build.start_ray`` and starts one trivial
+A child Python process plays the driver: it calls ``launch.ray_session.start_ray`` and starts one trivial
 actor. The test finds the session's processes on its own, from the process table (a process
 belongs to the session when its command line names the session directory, or it holds a file
 open there, or its parent does: Ray renames its workers, so the command line alone misses them),
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = """
 import os, sys, time
 import ray
-from launch.build import start_ray
+from launch.ray_session import start_ray
 from launch.config import load_config
 from launch.plan import build_plan
 

@@ -13,9 +13,10 @@ from typing import Any
 from cluster.placement import on_this_node, reserve
 from cluster.weights import RayWeightChannel
 from launch.assemble import ActorStarter
-from launch.build import build_generation_actors, start_ray, stop_ray
+from launch.build import build_generation_actors
 from launch.config import TandemConfig
 from launch.plan import Plan, build_plan
+from launch.ray_session import start_ray, stop_ray
 from observe.run_dir import RunLog
 from queues.bounded import build_queue
 from queues.templates import PromptRenderer
