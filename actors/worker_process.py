@@ -1,7 +1,8 @@
 """What the actors' worker processes share (reward workers, environment workers): each runs in its own
 process group, ends itself when its actor goes away, and is killed together with whatever it started.
-Like every process of a run but the driver, it holds SIGTERM blocked (``launch/ray_session.py``): a SIGTERM to
-every process of a job reaches it too, and only the driver decides how the run ends."""
+Like every process of a run but the driver, it takes no action on SIGTERM (``schema/process.py``): a SIGTERM
+to every process of a job reaches it too, and only the driver decides how the run ends. What a user's reward
+or environment starts from it (``subprocess``, ``multiprocessing.Pool``) ends on SIGTERM as usual."""
 
 from __future__ import annotations
 
@@ -18,8 +19,21 @@ def become_worker(parent_pid: int) -> None:
     """In the worker: lead a process group of its own (a kill takes whatever it starts too) and exit once
     reparented (its actor died without closing the pool, even by SIGKILL)."""
     os.setsid()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (a spawned child does not inherit its actor's)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, _not_here(os.getpid()))
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _not_here(worker: int):
+    """A SIGTERM handler: nothing in the worker ``worker``; in a process forked from it (a user's
+    ``multiprocessing.Pool``), the default action, so ``Pool.terminate()`` ends it."""
+
+    def handler(signum, frame) -> None:
+        if os.getpid() != worker:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return handler
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -21,9 +21,18 @@ from pydantic import Field
 
 from observe.run_dir import RunLog
 from runtime.checkpoints import CheckpointError, CheckpointStore
-from runtime.disk import disk_full, free_bytes, is_disk_full, tree_bytes
+from runtime.disk import (
+    DiskFull,
+    disk_full,
+    free_bytes,
+    is_disk_full,
+    quota,
+    torch_write_failed,
+    tree_bytes,
+)
 from schema import Section
 
+NO_ROOM = 1 << 20  # free bytes below which a failed write found the disk full
 PARTIAL_MODEL = ".partial-model"  # the final model while it is written; renamed to model/ when whole
 
 
@@ -114,17 +123,26 @@ class RunSaver:
             state = {"step": done, "version": done, **self.run_state()}
             progress.checkpoint, size = self.store.commit(partial, done, state)
         except Exception as exc:
-            saved = self.store.all()  # the newest whole one: what a checkpoint of this run takes
-            need = tree_bytes(saved[0]) if saved else tree_bytes(partial)
-            # torch says a short write in words of its own ("unexpected pos"); less room left than a
-            # checkpoint takes, after a failed write, is a full disk whatever the words
-            if not is_disk_full(exc) and (free_bytes(partial) or 0) >= need:
+            if (full := self._full(exc, partial, f"checkpoint step-{done}", self.store.all()[:1])) is None:
                 raise
-            shutil.rmtree(partial, ignore_errors=True)  # its space back, for summary.json at least
-            raise disk_full(f"checkpoint step-{done}", partial.parent, need) from None
+            raise full from None
         progress.checkpoint_s = time.monotonic() - t0
         self.last_at = time.monotonic()
         self.run.say(f"checkpoint: {progress.checkpoint} ({size / 1e6:.1f} MB in {progress.checkpoint_s:.1f}s)")
+
+    @staticmethod
+    def _full(exc: BaseException, partial: Path, what: str, previous: list[Path]) -> DiskFull | None:
+        """A failed write of ``partial`` as a full disk (its one line, the partial removed for its space), or
+        None. A full disk says so (ENOSPC, EDQUOT), or torch's writer failed with less room on the disk than
+        the write takes (the last such write's size, ``previous``, else what was written so far). A process
+        that died mid-write is never a full disk, whatever the room."""
+        written, free = tree_bytes(partial), free_bytes(partial)
+        need = tree_bytes(previous[0]) if previous else written
+        no_room = free is not None and (free + written < need or free < NO_ROOM)  # the partial's space is the write's
+        if not is_disk_full(exc) and not (torch_write_failed(exc) and no_room):
+            return None
+        shutil.rmtree(partial, ignore_errors=True)  # its space back, for summary.json at least
+        return disk_full(what, partial.parent, need, at_least=not previous, in_quota=quota(exc))
 
     def checkpoint_due(self) -> bool:
         """Steps were trained since the newest checkpoint."""
@@ -147,11 +165,10 @@ class RunSaver:
         try:
             await self.learner.save_model(str(partial))
         except Exception as exc:
-            need = tree_bytes(final) or tree_bytes(partial)
-            if not is_disk_full(exc) and (free_bytes(partial) or 0) >= need:
+            previous = [final] if final.is_dir() else []
+            if (full := self._full(exc, partial, f"the model of step {done}", previous)) is None:
                 raise
-            shutil.rmtree(partial, ignore_errors=True)
-            raise disk_full(f"the model of step {done}", run.root, need) from None
+            raise full from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         run.say(f"model: {final} (Hugging Face format, step {done})")

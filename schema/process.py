@@ -15,22 +15,22 @@ def in_ray_worker() -> bool:
 
 
 def ignore_sigterm() -> None:
-    """This process ignores SIGTERM from now on, whatever thread calls this (a disposition is the
-    process's; ``signal.signal`` works in the main thread only, an actor's constructor may run in
-    another). A Ray worker takes SIGTERM as the start of a graceful exit that waits for its running
-    calls, a generation actor's loop among them: it stops answering and never ends. Only the driver
-    acts on SIGTERM (``runtime/stopping.py``); it ends its actors itself, SIGKILL included. Outside a Ray
-    worker (an actor built in a test's own process) nothing changes."""
+    """This process takes no action on SIGTERM from now on, whatever thread calls this (a handler is the
+    process's; ``signal.signal`` works in the main thread only, and an async actor's constructor runs in
+    another). A Ray worker takes SIGTERM as the start of a graceful exit that waits for its running calls, a
+    generation actor's loop among them: it stops answering and never ends. Only the driver acts on SIGTERM
+    (``runtime/stopping.py``); it ends its actors itself, SIGKILL included.
+
+    The handler is a C function that does nothing (libc's ``getpid``, async-signal-safe), not ``SIG_IGN``:
+    an ignored signal stays ignored in every program the process starts, so a user's
+    ``subprocess.terminate()`` or ``multiprocessing.Pool`` there would never end, while a handler is reset to
+    the default at ``exec``. Outside a Ray worker (an actor built in a test's own process) nothing changes."""
     import ctypes
     import signal
-    import threading
 
-    if not in_ray_worker():  # a test that builds an actor in its own process keeps its SIGTERM
-        return
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not in_ray_worker():
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    libc.signal(int(signal.SIGTERM), 1)  # SIG_IGN
+    libc.signal(int(signal.SIGTERM), ctypes.cast(libc.getpid, ctypes.c_void_p).value)

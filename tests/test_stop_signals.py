@@ -71,6 +71,12 @@ def test_an_actor_that_took_sigterm_stops_answering_and_tandem_s_actors_do_not(r
         async def forever(self) -> None:
             await asyncio.sleep(3600)
 
+        def child_ends_on_sigterm(self) -> int:  # what a user's code starts here ends on SIGTERM as usual
+            child = subprocess.Popen(["sleep", "30"])
+            time.sleep(0.2)
+            child.terminate()
+            return child.wait(timeout=10)
+
     answers = {}
     for ignore in (False, True):
         actor = Plain.remote(ignore)
@@ -82,6 +88,8 @@ def test_an_actor_that_took_sigterm_stops_answering_and_tandem_s_actors_do_not(r
             answers[ignore] = ray.get(actor.pid.remote(), timeout=5) == pid
         except ray.exceptions.GetTimeoutError:
             answers[ignore] = False
+        if ignore:
+            assert ray.get(actor.child_ends_on_sigterm.remote(), timeout=30) == -signal.SIGTERM
         ray.kill(actor)
     assert answers == {False: False, True: True}
 
@@ -151,7 +159,7 @@ def test_other_errors_are_not_a_full_disk():
 def test_the_disk_full_line_names_the_path_the_space_free_and_the_space_needed(tmp_path):
     line = str(disk_full("checkpoint step-4", tmp_path / "checkpoints", 3_800_000))
     assert line.startswith(f"disk full: checkpoint step-4 could not be written to {tmp_path / 'checkpoints'} (")
-    assert " MB free on that filesystem; it needs about 3.8 MB); free space there" in line
+    assert "B free on that filesystem; it needs about 3.8 MB); free space there" in line
     assert "\n" not in line  # one line
 
 
@@ -192,3 +200,60 @@ def test_sigusr1_says_where_each_of_the_driver_s_tasks_waits():
     (text,) = said
     assert text.startswith("SIGUSR1: the driver waits on")
     assert "collect: waits_for_a_batch (test_stop_signals.py:" in text and "-> wait (locks.py:" in text
+
+
+def _a_worker_with_a_pool(parent: int, out) -> None:
+    """A reward worker's process (``become_worker``) whose user code runs a ``multiprocessing.Pool``."""
+    import multiprocessing
+
+    from actors.worker_process import become_worker
+
+    become_worker(parent)
+    os.kill(os.getpid(), signal.SIGTERM)  # the job's SIGTERM: the worker goes on
+    time.sleep(0.2)
+    started = time.monotonic()
+    with multiprocessing.get_context("fork").Pool(2) as pool:  # its exit sends SIGTERM to the pool's processes
+        squares = pool.map(abs, [-1, -2, -3])
+    out.put((squares, time.monotonic() - started))
+
+
+def test_a_reward_worker_survives_sigterm_and_its_users_pool_still_ends():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    worker = ctx.Process(target=_a_worker_with_a_pool, args=(os.getpid(), out))
+    worker.start()
+    try:
+        squares, took = out.get(timeout=60)
+    finally:
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+    assert squares == [1, 2, 3] and took < 10 and worker.exitcode == 0
+
+
+def test_a_rank_that_dies_mid_checkpoint_is_not_a_full_disk_but_a_short_write_without_room_is(tmp_path, monkeypatch):
+    from runtime import saving
+    from runtime.saving import RunSaver
+
+    checkpoints = tmp_path / "checkpoints"
+    partial, previous = checkpoints / ".partial-step-4", checkpoints / "step-2"
+    for folder, size in ((partial, 2_000_000), (previous, 5_000_000)):
+        folder.mkdir(parents=True)
+        with (folder / "model_states.pt").open("wb") as f:
+            f.truncate(size)  # sparse: the size without the disk
+    monkeypatch.setattr(saving, "free_bytes", lambda path: 1_500_000)  # 1.5 + 2.0 MB of room < 5 MB
+    died = Exception("The actor died unexpectedly before finishing this task")  # a rank killed mid-write
+    assert RunSaver._full(died, partial, "checkpoint step-4", [previous]) is None and partial.is_dir()
+    short = RayTaskErrorLike(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2386112 vs 23"))
+    monkeypatch.setattr(saving, "free_bytes", lambda path: 50_000_000)  # room enough: not the disk
+    assert RunSaver._full(short, partial, "checkpoint step-4", [previous]) is None
+    monkeypatch.setattr(saving, "free_bytes", lambda path: 1_500_000)
+    full = RunSaver._full(short, partial, "checkpoint step-4", [previous])
+    assert str(full).startswith(f"disk full: checkpoint step-4 could not be written to {checkpoints} (")
+    assert "; it needs about 5.0 MB)" in str(full) and not partial.exists()  # its space given back
+    partial.mkdir()
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    line = str(RunSaver._full(quota, partial, "checkpoint step-2", []))  # a first checkpoint: no size known
+    assert line.startswith("disk quota exceeded: checkpoint step-2 could not be written to ") and "lfs quota" in line
