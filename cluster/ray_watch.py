@@ -14,14 +14,20 @@ Two of Ray's processes matter to a run beyond its own actors:
 A local session's GCS server and raylet are this process's children (``ray.init`` started them):
 whether they ended is a ``poll()``, checked every ``LOCAL_EVERY_S``. On a cluster
 (``resources.address``) the GCS answers a key lookup every ``PING_EVERY_S``; ``PING_MISSES`` lookups
-in a row without an answer within ``PING_TIMEOUT_S`` mean it is gone (a worker node's raylet is a lost
-node: ``runtime/supervise.py``).
+in a row without an answer within ``PING_TIMEOUT_S`` mean it is gone, 20-30 s after its last answer (a
+worker node's raylet is a lost node: ``runtime/supervise.py``; the raylet of the driver's node is not
+watched there). Ray's processes wait ``gcs_rpc_server_reconnect_timeout_s`` for a dead GCS server before
+they abort: 600 s in a local session and in ``tandem slurm``'s cluster, Ray's default 60 s on a cluster
+started otherwise (set ``RAY_gcs_rpc_server_reconnect_timeout_s`` for its ``ray start``), which leaves a
+step and a checkpoint 30 s. A GCS server that restarts (KubeRay's GCS fault tolerance) within 20 s is not
+a death.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
 
 LOCAL_EVERY_S = 0.5
@@ -121,13 +127,15 @@ class RayWatch:
             while self.check() is None:
                 await asyncio.sleep(LOCAL_EVERY_S)
         elif self.gcs_client is not None:
-            misses = 0
+            misses, answered = 0, time.monotonic()
             while misses < PING_MISSES:
                 await asyncio.sleep(PING_EVERY_S)
-                misses = 0 if await self._answers() else misses + 1
-            self.death = (
-                f"Ray's GCS server did not answer for {PING_MISSES * PING_TIMEOUT_S:.0f} s: {WHAT['gcs_server'][1]}"
-            )
+                if await self._answers():
+                    misses, answered = 0, time.monotonic()
+                else:
+                    misses += 1
+            silent = time.monotonic() - answered
+            self.death = f"Ray's GCS server did not answer for {silent:.0f} s: {WHAT['gcs_server'][1]}"
         else:
             return
         on_death(self.death)

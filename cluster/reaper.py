@@ -61,11 +61,13 @@ def marked_environment(token: str, **variables: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def start_watchdog(token: str, session_dir: str, gcs_pid: int | None) -> subprocess.Popen:
+def start_watchdog(
+    token: str, session_dir: str, gcs_pid: int | None, raylet_pid: int | None = None
+) -> subprocess.Popen:
     """Start the watchdog of this process's Ray session; it writes what it did to
     ``<session_dir>/logs/tandem_reaper.err``."""
     _watchdogs[:] = [w for w in _watchdogs if w.poll() is None]
-    argv = [str(os.getpid()), token, session_dir, str(gcs_pid or 0)]
+    argv = [str(os.getpid()), token, session_dir, str(gcs_pid or 0), str(raylet_pid or 0)]
     env = {k: v for k, v in os.environ.items() if k != MARK}
     with open(os.path.join(session_dir, "logs", "tandem_reaper.err"), "ab") as log:
         watchdog = subprocess.Popen(
@@ -200,8 +202,10 @@ def reap(token: str, session_dir: str, grace_s: float = GRACE_S) -> tuple[int, i
     return terminated, killed
 
 
-def wait_for_driver(driver: int, gcs: int | None) -> bool:
-    """Block until the driver or the session's GCS ends: True when the driver has died."""
+def wait_for_driver(driver: int, gcs: int | None, raylet: int | None = None) -> bool:
+    """Block until the driver or the session's GCS ends: True when the driver has died. A GCS that ends
+    while the raylet lives is not the session's end (Ray's GCS server killed: the driver goes on to
+    checkpoint, its workers with it): then the wait goes on until the driver or the raylet ends."""
     try:
         driver_fd = _pidfd(driver)
     except ProcessLookupError:
@@ -219,13 +223,22 @@ def wait_for_driver(driver: int, gcs: int | None) -> bool:
     ready = select.select([fd for fd in (driver_fd, gcs_fd) if fd is not None], [], [])[0]
     if driver_fd in ready:
         return True
+    try:
+        raylet_fd = _pidfd(raylet) if raylet else None
+    except ProcessLookupError:
+        raylet_fd = None
+    if raylet_fd is not None and not _exited(raylet, raylet_fd):  # the GCS alone died: wait for the rest
+        ready = select.select([driver_fd, raylet_fd], [], [])[0]
+        if driver_fd in ready:
+            return True
     # the GCS ended first: ray.shutdown, unless the driver is dying with it (a killed process group)
     return bool(select.select([driver_fd], [], [], 1.0)[0])
 
 
 def main(argv: list[str]) -> int:
     driver, token, session_dir, gcs = int(argv[0]), argv[1], argv[2], int(argv[3]) or None
-    if not wait_for_driver(driver, gcs):
+    raylet = int(argv[4]) or None if len(argv) > 4 else None
+    if not wait_for_driver(driver, gcs, raylet):
         return 0
     terminated, killed = reap(token, session_dir)
     if terminated or killed:

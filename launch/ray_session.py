@@ -86,14 +86,16 @@ def remove_local_sessions() -> None:
             latest.unlink(missing_ok=True)
 
 
-SIDE_PROCESSES = ("monitor", "dashboard", "log_monitor")  # a local Ray's processes that hold no run state
+# a local Ray's processes, killed in this order once the run's workers are gone: the side ones hold no run
+# state, the raylet goes before the GCS server (as in Ray's own shutdown)
+LOCAL_PROCESSES = ("monitor", "dashboard", "log_monitor", "raylet", "gcs_server")
 
 
 def stop_ray() -> None:
     """``ray.shutdown``. A local session's processes hold SIGTERM blocked (``_init_ray``), so Ray's own
-    shutdown would wait a second for each before its SIGKILL: the run's workers (done by now) and the side
-    processes that hold nothing of the run are killed first, and the raylet and GCS server (raylet first,
-    as Ray does) keep their turn. The command returns with no process of the run left."""
+    shutdown would wait a second for each before its SIGKILL: the run's workers (done by now), then Ray's
+    own processes are killed first, and Ray's shutdown finds them gone. The command returns with no process
+    of the run left."""
     import ray
 
     if not ray.is_initialized():
@@ -101,7 +103,7 @@ def stop_ray() -> None:
     node = getattr(ray._private.worker, "_global_node", None)
     for info in node.all_processes.get("raylet", []) if node is not None else ():
         _kill_below(info.process.pid)  # the run's workers: none outlives the command (they finished)
-    for name in SIDE_PROCESSES if node is not None else ():
+    for name in LOCAL_PROCESSES if node is not None else ():
         for info in node.all_processes.get(name, []):
             if info.process.poll() is None:
                 info.process.kill()
@@ -193,4 +195,10 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
         node = ray._private.worker._global_node
         LOCAL_SESSIONS.append(node.get_session_dir_path())
         gcs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER)
-        reaper.start_watchdog(token, node.get_session_dir_path(), gcs[0].process.pid if gcs else None)
+        raylet = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET)
+        reaper.start_watchdog(
+            token,
+            node.get_session_dir_path(),
+            gcs[0].process.pid if gcs else None,
+            raylet[0].process.pid if raylet else None,
+        )

@@ -195,10 +195,11 @@ def _run_training(config_path, overrides, resume_dir, result, locks: list, allow
     from runtime.checkpoints import CheckpointError, CheckpointStore
     from runtime.run_lock import RunLock
     from runtime.saving import PARTIAL_MODEL, Resume, check_config_changes, check_resumable
-    from runtime.stopping import StopRequest
+    from runtime.stopping import StopRequest, threads_on_sigusr1
     from runtime.supervise import ActorKeepsFailing
 
     started = time.monotonic()
+    threads_on_sigusr1()  # a run that seems stuck before its loop starts: kill -USR1 says where, not kills it
     early: list[str] = []  # said before the run directory exists: driver.log begins with them
 
     def tell(line: str) -> None:

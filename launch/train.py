@@ -87,7 +87,10 @@ async def train(
     except Exception as exc:
         if (death := watch.check()) is None:
             raise
-        hint = resume_hint(run, progress[0]) if progress else "nothing trained in this start: start it again"
+        if progress:
+            hint = resume_hint(run, progress[0])
+        else:  # before the run's parts were built: where it stood when this start began
+            hint = f"resume with: tandem train --resume {run.root}" if resume else "nothing trained yet: start it again"
         raise RayDied(f"{death}; {hint}") from exc
     finally:
         watching.cancel()

@@ -70,6 +70,7 @@ class StopRequest:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 self._loop.remove_signal_handler(sig)
             self._loop = None
+        threads_on_sigusr1()  # (removing the loop's handler put back SIGUSR1's default: the end of the process)
 
     def say_waits(self) -> None:
         """``kill -USR1 PID``: each of the driver's pending tasks and the line it waits at (a run that seems
@@ -121,3 +122,11 @@ class StopRequest:
             self.say(f"run.time_limit: {left:.0f}s left; checkpointing and stopping")
             return True
         return False
+
+
+def threads_on_sigusr1() -> None:
+    """Outside the training loop (loading data, preflight, the final save), ``kill -USR1`` prints every
+    thread's stack to stderr instead of ending the process, SIGUSR1's default."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -119,6 +119,7 @@ def test_sbatch_without_gpus_has_no_gpu_directive():
     assert "source '/opt/my venv/bin/activate'" in script
 
 
+GCS_WAIT = "RAY_gcs_rpc_server_reconnect_timeout_s=600"
 HOLD_SIGTERM = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
     "os.execvp(sys.argv[1], sys.argv[1:])"
@@ -169,7 +170,7 @@ def test_sbatch_runs_head_workers_then_train_and_stops_ray(cfg, tmp_path):
     done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 3, done.stderr  # tandem's exit status is the job's
     auth = f"env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={tmp_path}/home/.ray/auth_token"
-    auth += f" python3 -c {HOLD_SIGTERM}"  # Ray's processes start with SIGTERM blocked
+    auth += f" {GCS_WAIT} python3 -c {HOLD_SIGTERM}"  # a dead GCS server's wait; SIGTERM blocked
     expected = [
         f"srun --nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=2 -w n1 {auth} ray start --head "
         "--node-ip-address=10.0.0.1 --port=6379 --num-cpus=4 --num-gpus=2 --dashboard-host=127.0.0.1 --block"
@@ -318,7 +319,7 @@ def test_the_sbatch_cluster_requires_a_private_token_and_keeps_the_dashboard_on_
         assert time.monotonic() < deadline, starts
         time.sleep(0.05)
     auth = f" env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token}"
-    auth += f" python3 -c {HOLD_SIGTERM} ray start "
+    auth += f" {GCS_WAIT} python3 -c {HOLD_SIGTERM} ray start "
     assert all(auth in line for line in starts)  # the head and every worker
     (head,) = [line for line in starts if "--head" in line]
     assert "--dashboard-host=127.0.0.1" in head

@@ -195,6 +195,7 @@ def test_sigusr1_says_where_each_of_the_driver_s_tasks_waits():
         event.set()
         await task
         stop.uninstall()
+        os.kill(os.getpid(), signal.SIGUSR1)  # outside the loop: every thread's stack on stderr, not the end
 
     asyncio.run(go())
     (text,) = said

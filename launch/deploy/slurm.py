@@ -37,12 +37,17 @@ TOKEN_SETUP = """\
 unset RAY_AUTH_TOKEN
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+if [[ -f $RAY_AUTH_TOKEN_PATH && ! -s $RAY_AUTH_TOKEN_PATH ]]; then
+    rm -f "$RAY_AUTH_TOKEN_PATH"  # an empty file is no token (a new one is made below)
+fi
 if [[ ! -s $RAY_AUTH_TOKEN_PATH ]]; then
     (
         umask 077
         mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
         od -An -vtx1 -N32 /dev/urandom | tr -dc 0-9a-f >"$RAY_AUTH_TOKEN_PATH.$$"
-        mv -n "$RAY_AUTH_TOKEN_PATH.$$" "$RAY_AUTH_TOKEN_PATH"  # -n: a token another job wrote first stays
+        # ln: atomic, and it fails (ignored) where a token another job wrote first already is; mv -n exits 1
+        # there in some coreutils, which set -e would make this job's end
+        ln "$RAY_AUTH_TOKEN_PATH.$$" "$RAY_AUTH_TOKEN_PATH" 2>/dev/null || true
         rm -f "$RAY_AUTH_TOKEN_PATH.$$"
     )
 fi
@@ -71,6 +76,10 @@ fi
 hold_sigterm='import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); '\\
 'os.execvp(sys.argv[1], sys.argv[1:])'
 ray_hold=(python3 -c "$hold_sigterm")
+# A dead GCS server: Ray's processes (and the driver) wait this long before they abort, which leaves tandem
+# train the time to finish its step, checkpoint and stop (Ray's default: 60 s)
+export RAY_gcs_rpc_server_reconnect_timeout_s=600
+ray_auth+=("RAY_gcs_rpc_server_reconnect_timeout_s=600")
 
 cleanup() {
     ray stop --force >/dev/null 2>&1 || true
