@@ -149,7 +149,8 @@ class RunLog:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         suffix = 0
         while True:  # mkdir itself decides: two runs started in the same second get two directories
-            root = Path(output_dir) / (f"{name}-{stamp}-{suffix}" if suffix else f"{name}-{stamp}")
+            # absolute: the ranks and actors get paths under it, and a Ray worker's directory is not this one's
+            root = Path(output_dir).absolute() / (f"{name}-{stamp}-{suffix}" if suffix else f"{name}-{stamp}")
             try:
                 root.mkdir(mode=0o700 if private else 0o777)  # 0o777 less the umask
                 break
@@ -168,6 +169,7 @@ class RunLog:
         settings: TrackingConfig | None = None,
     ) -> RunLog:
         """A resumed run: the same directory, continued at ``first_step``."""
+        root = Path(root).absolute()
         write_config(root, config, first_step)
         return cls(root, total_steps, first_step=first_step, settings=settings, config=config)
 

@@ -128,5 +128,10 @@ def threads_on_sigusr1() -> None:
     """Outside the training loop (loading data, preflight, the final save), ``kill -USR1`` prints every
     thread's stack to stderr instead of ending the process, SIGUSR1's default."""
     import faulthandler
+    import sys
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        faulthandler.unregister(signal.SIGUSR1)  # (registered before, and replaced by the loop's since: again)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no stderr file to write to (a captured one): left as it is
+        pass
