@@ -128,6 +128,7 @@ def _kill_below(pid: int, wait_s: float = 5.0) -> None:
 
 
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
+GCS_TASK_EVENTS = 10_000  # tasks whose events the GCS server keeps (the newest; Ray's default: 100,000)
 GCS_GONE_S = 600  # a local session's processes wait this long for a dead GCS server before Ray aborts them
 RAYLET_DIED = "Raylet is terminated"  # ... and Ray's 20-line dump of a dead raylet's log (cluster/ray_watch.py says it)
 
@@ -186,7 +187,12 @@ def _init_ray(cfg: TandemConfig, kinds, log_to_driver: bool) -> None:
                     include_dashboard=False,
                     # a dead GCS server aborts every Ray process after this long: room for the driver to
                     # finish the step, checkpoint and stop (cluster/ray_watch.py) instead of Ray's default 60 s
-                    _system_config={"gcs_rpc_server_reconnect_timeout_s": GCS_GONE_S},
+                    _system_config={
+                        "gcs_rpc_server_reconnect_timeout_s": GCS_GONE_S,
+                        # the GCS server keeps each task's events for Ray's state API: 100,000 by default,
+                        # ~2 KB each, ~40 MB per 1,000 steps of the demo until then (bench/soak.py)
+                        "task_events_max_num_task_in_gcs": GCS_TASK_EVENTS,
+                    },
                 )
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = clusters

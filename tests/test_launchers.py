@@ -119,7 +119,7 @@ def test_sbatch_without_gpus_has_no_gpu_directive():
     assert "source '/opt/my venv/bin/activate'" in script
 
 
-GCS_WAIT = "RAY_gcs_rpc_server_reconnect_timeout_s=600"
+GCS_WAIT = "RAY_gcs_rpc_server_reconnect_timeout_s=600 RAY_task_events_max_num_task_in_gcs=10000"
 HOLD_SIGTERM = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
     "os.execvp(sys.argv[1], sys.argv[1:])"

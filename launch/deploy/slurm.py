@@ -80,6 +80,9 @@ ray_hold=(python3 -c "$hold_sigterm")
 # train the time to finish its step, checkpoint and stop (Ray's default: 60 s)
 export RAY_gcs_rpc_server_reconnect_timeout_s=600
 ray_auth+=("RAY_gcs_rpc_server_reconnect_timeout_s=600")
+# The GCS server keeps the events of the newest 10,000 tasks, not 100,000: ~40 MB more per 1,000 demo steps
+# until then (bench/soak.py)
+ray_auth+=("RAY_task_events_max_num_task_in_gcs=10000")
 
 cleanup() {
     ray stop --force >/dev/null 2>&1 || true
