@@ -7,10 +7,11 @@ DeepSpeed's ``offload_states``, the cache given back), then every actor wakes wi
 published (weights' memory, the version loaded into it, then the KV cache). A CPU learner offloads
 nothing (the memory is the same); the actors still take their turns.
 
-A dead or unreachable actor is skipped: the pool replaces it, and a replacement that starts during
-training is put to sleep (``joined``); or the run is stopping (a signal to every process of a job
-reaches the actors too, unless they hold it blocked: ``launch/ray_session.py``) and needs only the
-learner. Every call has the deadline ``timeout_s``.
+A dead actor is skipped: the pool replaces it, and a replacement that starts during training is put
+to sleep (``joined``). One that cannot be reached is not: it may still hold the devices the learner is
+about to take back, so the phase change fails and says so (a SIGTERM to every process of a job no longer
+makes actors unreachable: only the driver acts on it, ``schema/process.py``). Every call has the deadline
+``timeout_s``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class DeviceTurns:
         import ray
 
         for index, result in enumerate(results):
-            if isinstance(result, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
-                continue  # dead or unreachable: the pool replaces it (``joined``), or the run stops
+            if isinstance(result, ray.exceptions.ActorDiedError):
+                continue  # dead (its memory freed): the pool replaces it (``joined``)
             if isinstance(result, BaseException):
                 raise RuntimeError(f"actor {index} could not {method}: {type(result).__name__}: {result}") from result
