@@ -31,28 +31,25 @@ from pathlib import Path
 
 import pytest
 
+from tests import test_real_recovery
 from tests.runs import read_metrics
-from tests.test_real_recovery import _alive, assert_nothing_left, final_state, spawn, trained_ids, wait_for_steps
+from tests.test_real_episode_run import ENV  # the two-turn environment of the episode resume test
+from tests.test_real_recovery import (
+    _alive,
+    assert_nothing_left,
+    final_state,
+    spawn,
+    trained_ids,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.slow
+slow_reward = test_real_recovery.slow_reward  # the fixture: a reward that sleeps 20 ms per call
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "configs" / "examples" / "tools.yaml"
 BASE = ["rollout.prompts_per_step=8", "run.steps=10", "run.checkpoint_every=4", "run.log_samples=2"]
 LORA = ["learner.lora.rank=8", "learner.lora.alpha=16"]
-ENV = """
-from actors.environments import Environment, StepResult
-
-class TwoTurns(Environment):
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def step(self, action_text):
-        if not hasattr(self, "seen"):
-            self.seen = True
-            return StepResult("go on")
-        return StepResult(reward=float(len(action_text) % 2), done=True)
-"""
 
 # case: (overrides, where the SIGTERM goes, episodes)
 CASES = {
@@ -65,21 +62,6 @@ CASES = {
     "overlapped-between-lora-every": (["run.max_staleness=1", *LORA], "every", False),
     "overlapped-inflight-episodes-driver": (["run.max_staleness=1", "rollout.weight_update=inflight"], "driver", True),
 }
-
-
-@pytest.fixture(scope="module")
-def slow_reward(tmp_path_factory) -> str:
-    """A reward that sleeps 20 ms per call, so that a step lasts about a second and a signal lands mid-run."""
-    path = tmp_path_factory.mktemp("reward") / "slow_reward.py"
-    path.write_text(
-        "import time\n"
-        "from actors.rewards import load_reward_function\n"
-        "task = load_reward_function('builtin:successor')\n"
-        "def reward(prompt, completion, row):\n"
-        "    time.sleep(0.02)\n"
-        "    return task(prompt, completion, row)\n"
-    )
-    return f"reward.function={path}:reward"
 
 
 @pytest.fixture(scope="module")
