@@ -41,6 +41,7 @@ def start_ray(cfg: TandemConfig, plan: Plan, log_to_driver: bool = False, wait_s
     finally:
         if on_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
+    _STOPPING.clear()  # a new session (tests start several in one process)
     _quiet_worker_deaths()  # a cluster's worker deaths too
     deadline, said = time.monotonic() + wait_s, False
     while True:
@@ -100,6 +101,7 @@ def stop_ray() -> None:
 
     if not ray.is_initialized():
         return
+    _STOPPING.set()  # the GCS server may see the raylet go first: that node's death is ours, not news
     node = getattr(ray._private.worker, "_global_node", None)
     for info in node.all_processes.get("raylet", []) if node is not None else ():
         _kill_below(info.process.pid)  # the run's workers: none outlives the command (they finished)
@@ -130,6 +132,8 @@ def _kill_below(pid: int, wait_s: float = 5.0) -> None:
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
 GCS_TASK_EVENTS = 10_000  # tasks whose events the GCS server keeps (the newest; Ray's default: 100,000)
 GCS_GONE_S = 600  # a local session's processes wait this long for a dead GCS server before Ray aborts them
+NODE_DEAD = "has been marked dead"  # the GCS server's notice of a node's death (said while stopping)
+_STOPPING = threading.Event()  # stop_ray has begun: the local node's death is the run's own doing
 RAYLET_DIED = "Raylet is terminated"  # ... and Ray's 20-line dump of a dead raylet's log (cluster/ray_watch.py says it)
 
 
@@ -148,6 +152,8 @@ def _quiet_worker_deaths() -> None:
         lines = data.get("lines", [])
         if data.get("pid") == "raylet" and any(WORKER_DIED in line or RAYLET_DIED in line for line in lines):
             return None
+        if _STOPPING.is_set() and any(NODE_DEAD in line for line in lines):
+            return None  # stop_ray killed the raylet: the node's death is the end of the run, not an error
         return original(data, ignore_prefix)
 
     printer.tandem_filter = True
