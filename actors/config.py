@@ -233,6 +233,11 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative.")
     max_tokens: int = Field(16, gt=0, description="Longest completion, in tokens; longer ones are truncated.")
     min_tokens: int = Field(0, ge=0, description="Tokens sampled before EOS is allowed (1 forbids empty answers).")
+    max_tokens_field: str | None = Field(
+        None,
+        description="Row column holding that prompt's own completion budget in tokens (a length budget per "
+        "problem), capped at rollout.max_tokens; a row without a value uses rollout.max_tokens. Single-turn only.",
+    )
     temperature: float = Field(
         1.0,
         gt=0,
@@ -275,6 +280,11 @@ class RolloutConfig(Section):
                 f"rollout.top_p = {self.top_p} is not modelled by the learner (it scores the whole softmax(logits / "
                 "T), so the importance ratios of nucleus samples would be wrong); set rollout.top_p=1.0 and use "
                 "rollout.temperature to sharpen sampling"
+            )
+        if self.max_tokens_field and self.kind == "multi_turn":
+            raise ValueError(
+                "rollout.max_tokens_field is for single-turn rollouts; an episode's budget is rollout.max_tokens "
+                "(set rollout.max_tokens_field=null or rollout.kind=single_turn)"
             )
         if self.kind == "multi_turn" and not self.episode.environment:
             raise ValueError(

@@ -35,6 +35,7 @@ from actors.spec import (
     engine_kwargs,
     engine_prompt,
     proven_runner_env,
+    row_budget,
     sampling_params,
     turn_params,
 )
@@ -81,7 +82,10 @@ class InFlight:
         # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
         # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
         # for a request that is being recomputed, which is what a weight swap does.
-        params = sampling_params(self.spec.rollout, 1, seed=None, stream=True, temperature=request.temperature)
+        budget = row_budget(self.spec.rollout, request.row)
+        params = sampling_params(
+            self.spec.rollout, 1, seed=None, stream=True, temperature=request.temperature, max_tokens=budget
+        )
         n = request.samples or self.spec.rollout.group_size
         streamed = await asyncio.gather(*[self._stream(engine_prompt(request), params) for _ in range(n)])
         return streamed[0][0], [completion for _, completion in streamed]

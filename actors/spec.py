@@ -163,9 +163,30 @@ def engine_prompt(request: PromptRequest):
 
 
 def request_params(spec: ActorSpec, request: PromptRequest, seed: int | None, stream: bool = False):
-    """Sampling parameters of one request: ``group_size`` samples, or the evaluation's own count and temperature."""
+    """Sampling parameters of one request: ``group_size`` samples, or the evaluation's own count and temperature;
+    at most the row's own budget of tokens (``rollout.max_tokens_field``)."""
     n = request.samples or spec.rollout.group_size
-    return sampling_params(spec.rollout, n, seed=seed, stream=stream, temperature=request.temperature)
+    budget = row_budget(spec.rollout, request.row)
+    return sampling_params(
+        spec.rollout, n, seed=seed, stream=stream, temperature=request.temperature, max_tokens=budget
+    )
+
+
+def row_budget(rollout, row: dict) -> int:
+    """A prompt's longest completion: its row's ``rollout.max_tokens_field`` (a positive integer) capped at
+    ``rollout.max_tokens``, or ``rollout.max_tokens`` for a row without one."""
+    field = rollout.max_tokens_field
+    value = row.get(field) if field else None
+    if value is None:
+        return rollout.max_tokens
+    if isinstance(value, str) and value.strip().isdigit():  # a CSV column's numbers are text
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+        raise ValueError(
+            f"rollout.max_tokens_field: column {field!r} holds {value!r}, not a positive whole number of tokens; "
+            "fix that row or leave the column empty there (rollout.max_tokens applies)"
+        )
+    return min(int(value), rollout.max_tokens)
 
 
 def turn_params(spec: ActorSpec, request: PromptRequest, max_tokens: int, seed: int | None, stream: bool = False):

@@ -67,6 +67,14 @@ def load_run_rows(cfg: TandemConfig, say: Callable[[str], None]) -> tuple[Rows, 
         rows, held = split_holdout(rows, ev.fraction, cfg.run.seed)
     if ev.max_prompts is not None:
         held = held[: ev.max_prompts]
+    if cfg.rollout.max_tokens_field:  # a bad budget is said now, naming the row, not by an actor mid-run
+        from actors.spec import row_budget
+
+        for i, row in enumerate(rows + held):
+            try:
+                row_budget(cfg.rollout, row)
+            except ValueError as err:
+                raise DatasetError(f"data row {i}: {err}") from None
     line = unmatched_sources(cfg, rows + held)
     if line:
         say(line)
