@@ -63,6 +63,7 @@ class BetweenRequests:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-engine")
         self.pending: list[tuple[Any, Any, asyncio.Future]] = []  # (prompt, params, answer) of the next generate call
         self.calls: set[asyncio.Task] = set()
+        self.engine_free = asyncio.Lock()  # held by the generate call running: the next one gathers meanwhile
         self.seed = spec.seed * 1_000_003  # + prompt id: reproducible per prompt, the same samples in every run
         self.adapters = Adapters(spec.adapter, spec.model_path, spec.name) if spec.adapter else None
         self.turns = Turns(spec.sleep_level)
@@ -118,8 +119,14 @@ class BetweenRequests:
         task.add_done_callback(self.calls.discard)
 
     async def _generate_pending(self) -> None:
-        """One generate call for every pending prompt; any error reaches every waiting rollout."""
-        batch, self.pending = self.pending, []
+        """One generate call for every pending prompt; any error reaches every waiting rollout. A call waits
+        for the one running: the episode turns that become ready meanwhile, one by one as their tool calls
+        return, join it and reach the engine together (the engine could not start them sooner)."""
+        async with self.engine_free:
+            batch, self.pending = self.pending, []
+            await self._generate(batch)
+
+    async def _generate(self, batch: list) -> None:
         try:
             outputs = await self.on_engine(
                 self.llm.generate,

@@ -122,6 +122,39 @@ def test_between_requests_actor_samples_the_prompts_of_one_queue_call_in_one_gen
     assert sorted(g.prompt_id for g in groups) == [0, 1, 2] and engine.calls == [3]  # one call, three prompts
 
 
+def test_between_requests_turns_that_become_ready_while_a_call_runs_reach_the_engine_together():
+    """Episode turns become ready one by one as their tool calls return; while a generate call runs they
+    gather, and the next call takes them all (before, each went to the engine in a call of its own)."""
+    import threading
+
+    engine, release = FakeLLM(), threading.Event()
+    generate = engine.generate
+
+    def slow_first(prompts, sampling_params=None, use_tqdm=True, lora_request=None):
+        if not engine.calls:
+            release.wait(10)
+        return generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    engine.llm.generate.side_effect = slow_first
+    actor = GenerationActor(actor_spec("fake", None, "builtin:echo", group_size=2), engine.llm)
+    request = PromptRequest(0, {"prompt": "copy 5:", "answer": "5"}, min_version=0)
+
+    async def go():
+        await actor.ready()
+        first = asyncio.ensure_future(actor.engine.sample([3, 4], request, 4, 0))
+        while not engine.llm.generate.called:
+            await asyncio.sleep(0.01)
+        later = []
+        for salt in (1, 2, 3):  # three turns, each ready in a turn of the loop of its own
+            later.append(asyncio.ensure_future(actor.engine.sample([3, 4], request, 4, salt)))
+            await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.gather(first, *later)
+
+    turns = asyncio.run(go())
+    assert len(turns) == 4 and engine.calls == [1, 3]
+
+
 class FakeAsyncLLM:
     """``AsyncLLM`` as the in-flight actor uses it (``tests/standins.py``: vLLM's own class; the weights cross
     into the engine's process as vLLM's msgpack carries them): each request streams 6 tokens; after the third
