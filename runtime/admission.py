@@ -9,10 +9,13 @@ and a stale or lost prompt is generated again.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable
 
 from queues.messages import PromptRequest, TrajectoryGroup
 from runtime.ledger import PromptLedger
+
+STALE_TRIES = 2  # groups of one prompt found too stale before the prompt is given up (Admission.too_stale)
 
 
 class Pace:
@@ -64,6 +67,7 @@ class Admission:
         self.ledger, self.pace, self.prompt_queue = ledger, pace, prompt_queue
         self.render, self.put_timeout_s = render, put_timeout_s
         self.batched: set[int] = set()  # prompts whose group is in a collected batch, not yet trained
+        self.stale_tries: collections.Counter[int] = collections.Counter()  # prompt -> its groups found too stale
         self._paused = False  # the colocated schedule's training phase: nothing goes out
         self._budget: int | None = None  # prompts still to let out in this phase (None: as the pace allows)
         self._open = asyncio.Event()  # set while neither paused nor out of budget
@@ -128,12 +132,25 @@ class Admission:
         training them): until it is trained, no other group of its prompt is new."""
         self.batched.add(group.prompt_id)
 
-    async def too_stale(self, group: TrajectoryGroup) -> None:
-        """A group too old to train: its prompt is generated again, in a place of its own."""
-        if self.ledger.is_outstanding(group.prompt_id):
-            self.ledger.again([group.prompt_id])
-            self._replace(1)
-            await self.pace.drop()
+    async def too_stale(self, group: TrajectoryGroup) -> bool:
+        """A group too old to train: its prompt is generated again, in a place of its own; after
+        ``STALE_TRIES`` such groups it is given up (done, trained by no step) and True is returned. A
+        completion that takes longer than ``max_staleness`` steps to generate (in flight, its first tokens
+        age while it runs) would be dropped at every try: the long tail would be generated forever and
+        trained never, and the run would learn from its short completions only (``SignalWatch`` says so)."""
+        prompt_id = group.prompt_id
+        if not self.ledger.is_outstanding(prompt_id):
+            return False
+        self.stale_tries[prompt_id] += 1
+        starved = self.stale_tries[prompt_id] >= STALE_TRIES
+        if starved:
+            self.ledger.trained(prompt_id)
+            del self.stale_tries[prompt_id]
+        else:
+            self.ledger.again([prompt_id])
+        self._replace(1)
+        await self.pace.drop()
+        return starved
 
     async def no_signal(self, group: TrajectoryGroup) -> None:
         """A group left out by dynamic sampling: its prompt is done (not generated again), and one

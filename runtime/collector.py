@@ -38,6 +38,8 @@ class Batch:
     filtered_ids: list[int] = field(default_factory=list)
     oversample_reached: bool = False  # the filter's limit was reached: zero-variance groups filled the batch
     staleness: collections.Counter = field(default_factory=collections.Counter)  # per-token histogram
+    # prompts given up after their groups were too stale at every try: (prompt id, age in steps, mean length)
+    starved: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def settled(future: asyncio.Future, say: Callable[[str], None] | None = None, what: str = "") -> asyncio.Future:
@@ -151,9 +153,11 @@ class BatchCollector:
                     self._evaluate(group)
                 elif group.prompt_id in seen or (self.admission is not None and not self.admission.is_new(group)):
                     batch.duplicates += 1  # e.g. a dead actor's late result of a prompt generated again
-                elif self.admission is not None and step - group.oldest_version > max_staleness:
-                    batch.dropped += 1  # never trained on: counted and generated again
-                    await self.admission.too_stale(group)
+                elif self.admission is not None and (age := step - group.oldest_version) > max_staleness:
+                    batch.dropped += 1  # never trained on: counted and generated again (or given up)
+                    if await self.admission.too_stale(group):
+                        lengths = [len(t.completion_token_ids) for t in group.trajectories]
+                        batch.starved.append((group.prompt_id, age, sum(lengths) / max(len(lengths), 1)))
                 elif self._filter_out(batch, group):
                     batch.filtered += 1  # no learning signal: left out, and one more prompt admitted
                     batch.filtered_ids.append(group.prompt_id)

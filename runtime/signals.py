@@ -167,21 +167,23 @@ class SignalWatch:
         self.empty_cause: str | None = None
         self.warnings: list[str] = []
         self.eval_errors = 0
+        self.starved = 0  # prompts given up: too stale at every try (Admission.too_stale)
 
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
         self.steps += 1
+        starving = self._starved(step, metrics)
         if cause := untrained_cause(metrics):
             return self._empty(step, cause)
         self.empty_streak = 0
         if not no_signal(metrics):
             self.streak = []
-            return None
+            return starving
         silent = Silent.of(metrics)
         self.no_signal_steps += 1
         self.streak.append(silent)
         self.silent.append(silent)
         if len(self.streak) != self.k:
-            return None
+            return starving
         return self._warn(
             f"steps {step + 2 - self.k}-{step + 1}: every group scored alike for {self.k} steps in a row, "
             f"so there is no learning signal ({no_signal_cause(self.streak)})"
@@ -196,6 +198,22 @@ class SignalWatch:
         return self._warn(
             f"eval{'' if step is None else f' after step {step}'}: {errors} of {calls} reward calls failed "
             "(scored 0), so pass@k reads low; fix reward.function (its errors are in the actor logs)"
+        )
+
+    def _starved(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """The first prompts given up as too stale at every try are said once, with what they mean: the run
+        trains its short completions only."""
+        count = int(metrics.get("starved_prompts", 0) or 0)
+        self.starved += count
+        if not count or self.starved > count:
+            return None
+        age, length = int(metrics["starved_age_max"]), float(metrics["starved_len_mean"])
+        return self._warn(
+            f"step {step + 1}: {count} prompt(s) given up, their groups too stale to train at every try (up to "
+            f"{age} versions old, past run.max_staleness; their completions {length:.0f} tokens long against "
+            f"{metrics.get('completion_len_mean', 0):.0f} trained): completions that take longer than "
+            f"run.max_staleness steps to generate are never trained, so the run learns from its short ones; set "
+            f"run.max_staleness >= {age} (TIS corrects the lag) or lower rollout.max_inflight_prompts"
         )
 
     def _empty(self, step: int, cause: str) -> str:
@@ -224,6 +242,8 @@ class SignalWatch:
         }
         if self.empty_steps:
             out["empty_steps"] = self.empty_steps
+        if self.starved:
+            out["starved_prompts"] = self.starved
         if self.steps and self.empty_steps == self.steps:
             out["learned"] = False
             out["learned_reason"] = f"no step trained a token (all {self.steps}): {self.empty_cause}"

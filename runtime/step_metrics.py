@@ -34,6 +34,7 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "staleness_max": max(batch.staleness, default=0),
         "staleness_hist": hist,
         "dropped_stale": batch.dropped,
+        **starved_metrics(batch),
         "filtered_groups": batch.filtered,
         # the collapse signal: the share of collected groups whose rewards were all equal
         "zero_variance_frac": batch.zero_variance / max(len(batch.groups) + batch.filtered, 1),
@@ -43,6 +44,18 @@ def step_metrics(batch: Batch, learner: dict[str, float], step_seconds: float) -
         "tokens_per_s": total_tokens / step_seconds if step_seconds > 0 else 0.0,
         **{f"learner/{k}": v for k, v in learner.items()},
         "trained_tokens": trained_tokens(learner),
+    }
+
+
+def starved_metrics(batch: Batch) -> dict[str, Any]:
+    """Prompts given up this step, too stale at every try (``Admission.too_stale``): how many, and the
+    oldest age and mean completion length of their last groups (absent when none)."""
+    if not batch.starved:
+        return {}
+    return {
+        "starved_prompts": len(batch.starved),
+        "starved_age_max": max(age for _, age, _ in batch.starved),
+        "starved_len_mean": sum(length for _, _, length in batch.starved) / len(batch.starved),
     }
 
 

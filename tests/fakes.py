@@ -131,11 +131,12 @@ class RecordingAdmission:
     def in_batch(self, group: TrajectoryGroup) -> None:
         pass
 
-    async def too_stale(self, group: TrajectoryGroup) -> None:
+    async def too_stale(self, group: TrajectoryGroup) -> bool:
         assert self.stale_ok, f"group {group.prompt_id} was found too stale"
         self.stale.append(group.prompt_id)
         if self.pace is not None:
             await self.pace.drop()
+        return False
 
     async def no_signal(self, group: TrajectoryGroup) -> None:
         assert self.no_signal_ok, f"group {group.prompt_id} was left out as without signal"
