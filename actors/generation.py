@@ -81,7 +81,8 @@ class GenerationActor:
         samples = await asyncio.gather(*[self.rollout(request, self.engine) for request in requests])
         elapsed = time.monotonic() - start
         waits = [self.clock.take_wait()] + [0.0] * (len(requests) - 1)  # the call's weight time, reported once
-        return self.builder.groups(requests, list(samples), elapsed, waits)
+        with self.spans.span("reward", self.clock.version):  # the rewards' share of the step (bench/step_breakdown.py)
+            return self.builder.groups(requests, list(samples), elapsed, waits)
 
     async def generate_group(self, request: PromptRequest) -> TrajectoryGroup:
         """The rollout of one request, scored without blocking the event loop (groups overlap)."""
@@ -89,7 +90,8 @@ class GenerationActor:
         with self.spans.span("generate", self.clock.version):  # groups overlap: the report merges them
             samples = await self.rollout(request, self.engine)
             elapsed, wait = time.monotonic() - start, self.clock.take_wait()
-            return await self.builder.group_async(request, samples, elapsed, wait)  # scored in the workers
+            with self.spans.span("reward", self.clock.version):
+                return await self.builder.group_async(request, samples, elapsed, wait)  # scored in the workers
 
     async def completion_logprobs(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed completion under the loaded weights, at temperature 1 (checks, tests)."""

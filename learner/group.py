@@ -68,7 +68,7 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         having = [m for m in per_rank if key in m]
         if key in ("grad_norm", "nonfinite_updates", "updates"):
             merged[key] = having[0][key]  # already global: every rank agreed on them
-        elif key.endswith("_max"):
+        elif key.endswith("_max") or key.startswith("time_"):  # a phase's time: the slowest rank's
             merged[key] = max(m[key] for m in having)
         elif key.endswith("_min"):
             merged[key] = min(m[key] for m in having)

@@ -38,6 +38,9 @@ from learner.returns import token_rewards
 from learner.shard import Exports, RankAdvantages, RankShard, RankSummary
 
 EXTREMES = ("_max", "_min")  # metrics that are a step's extreme, not its token-weighted mean
+# an update's phases, timed on the host (learner/time_<phase>_s; the rest of learner_seconds is packing and
+# bookkeeping). With a GPU a phase ends when its kernels are queued, so time moves to the next call that waits.
+PHASES = ("forward", "backward", "critic", "optimizer")
 
 
 def _parameters(model) -> list:
@@ -119,6 +122,7 @@ class RankStep:
         )
         self.vocab = 1
         self.batch: RankBatch | None = None
+        self.phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # the last update's (train)
         self.tokens: TokenRewards | None = None
 
     # --- the forward passes -----------------------------------------------------------------
@@ -261,6 +265,7 @@ class RankStep:
         extremes: dict[str, float] = {}  # *_max / *_min metrics: the largest / smallest of any micro-batch
         for model in self._trainable():
             model.train()
+        self.phase_s = dict.fromkeys(PHASES, 0.0)  # host wall time per phase of the update (the step's breakdown)
         for _ in range(batch.epochs):
             for index, (normaliser, micro_batches) in enumerate(zip(batch.normalisers, batch.minibatches, strict=True)):
                 if is_means is not None:
@@ -276,7 +281,9 @@ class RankStep:
                         totals["loss"] += loss
                         finite = finite and math.isfinite(loss)
                     if self.models.critic is not None:
+                        started = time.perf_counter()
                         metrics.update(self._critic_backward(micro, view, normaliser))
+                        self.phase_s["critic"] += time.perf_counter() - started
                         finite = finite and math.isfinite(metrics["value_loss_share"])
                     for key, value in metrics.items():  # token-weighted, summed across micro-batches
                         if key.endswith(EXTREMES):  # the step's extreme over its micro-batches with tokens
@@ -286,6 +293,7 @@ class RankStep:
                         else:
                             totals[key] = totals.get(key, 0.0) + float(value) * n
                 updates += 1
+                stepping = time.perf_counter()
                 if self._all_finite(finite):
                     for model in self._trainable():
                         model.step()
@@ -293,6 +301,7 @@ class RankStep:
                     skipped += 1
                     for model in self._trainable():
                         discard_gradients(model)
+                self.phase_s["optimizer"] += time.perf_counter() - stepping
         out = {k: (v if k == "loss" else v / max(tokens, 1)) for k, v in totals.items()} | extremes
         out["tokens"] = tokens / batch.epochs
         out["nonfinite_updates"] = float(skipped)
@@ -300,6 +309,7 @@ class RankStep:
         if policy is not None:
             out["advantage_abs_mean"] = advantage_abs
         out["seconds"] = time.monotonic() - start
+        out |= {f"time_{phase}_s": seconds for phase, seconds in self.phase_s.items()}
         grad_norm = policy.get_global_grad_norm() if policy is not None and skipped < updates else None
         if lr is not None:
             out["lr"] = lr
@@ -319,14 +329,18 @@ class RankStep:
     def _policy_backward(self, micro: PackedInputs, view, normaliser, kl_beta: float) -> tuple[float, dict]:
         """The policy's loss share on ``micro`` and its backward; the logits (``[1, N, V]``) and the
         graph die with this call, before the next micro-batch is packed."""
+        started = time.perf_counter()
         logits = self._forward(self.models.policy, micro)
         logprobs, entropy = self._logprobs(self.models.policy, micro, view.completion_mask, True, logits)
         if self.exact_kl:
             view = dataclasses.replace(view, exact_kl=self._exact_kl(logits, micro, view))
         loss, metrics = self.objective(logprobs, view, normaliser, kl_beta)
+        forward = time.perf_counter()
         # DeepSpeed averages gradients over ranks; the loss is already a share of the
         # global sum, so scale by world size to make the reduced gradient the global one.
         self.models.policy.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.phase_s["forward"] += forward - started
+        self.phase_s["backward"] += time.perf_counter() - forward
         metrics["entropy"] = entropy.sum() / max(float(view.completion_mask.sum()), 1.0)
         metrics["uniform_entropy"] = math.log(self.vocab)  # ln V: a policy that says nothing
         return float(loss.detach()), metrics

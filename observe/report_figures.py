@@ -38,6 +38,7 @@ TIS_KEYS = {
 REJECT_PREFIX = "learner/reject_"  # learner/reject_<rule>_frac per rejection rule, and the totals
 KIND_COLOURS = {
     "generate": "#2ca02c",
+    "reward": "#98df8a",  # inside a generate span: the actor's wait for its groups' rewards
     "environment": "#e377c2",  # multi-turn episodes: resets and steps in the environment workers
     "load_weights": "#9467bd",
     "sleep": "#c5b0d5",  # colocated: an engine giving its memory back, and taking it back with new weights

@@ -89,9 +89,10 @@ def test_between_requests_actor_loads_what_each_prompt_needs_and_stops_when_the_
     first, second, report = asyncio.run(go())
     assert (report.name, report.groups, report.weight_loads) == ("actor-0", 2, 1)
     # the timeline rides on the groups: what the actor did before each push, with the version it held
-    assert [(s.kind, s.version) for s in first.spans] == [("wait_prompts", None), ("generate", 0)]
+    # (the reward span ends inside the generate span, so it is recorded first)
+    assert [(s.kind, s.version) for s in first.spans] == [("wait_prompts", None), ("reward", 0), ("generate", 0)]
     kinds = [(s.kind, s.version) for s in second.spans]
-    assert kinds == [("wait_prompts", None), ("wait_weights", 0), ("load_weights", 1), ("generate", 1)]
+    assert kinds == [("wait_prompts", None), ("wait_weights", 0), ("load_weights", 1), ("reward", 1), ("generate", 1)]
     assert all(s.process == "actor-0" and s.start <= s.end for s in first.spans + second.spans)
     assert [s.kind for s in report.spans] == ["wait_prompts"]  # the wait the closed queue ended
     assert len(first.trajectories) == 3 and all(t.reward == 1.0 for t in first.trajectories)  # echo "5" -> "5"
