@@ -9,6 +9,7 @@ aborts them (``cluster/ray_watch.py`` stops the run first).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -89,14 +90,14 @@ def remove_local_sessions() -> None:
 
 # a local Ray's processes, killed in this order once the run's workers are gone: the side ones hold no run
 # state, the raylet goes before the GCS server (as in Ray's own shutdown)
-LOCAL_PROCESSES = ("monitor", "dashboard", "log_monitor", "raylet", "gcs_server")
+SIDE_PROCESSES = ("monitor", "dashboard", "log_monitor")  # what the driver's disconnect does not talk to
 
 
 def stop_ray() -> None:
     """``ray.shutdown``. A local session's processes hold SIGTERM blocked (``_init_ray``), so Ray's own
-    shutdown would wait a second for each before its SIGKILL: the run's workers (done by now), then Ray's
-    own processes are killed first, and Ray's shutdown finds them gone. The command returns with no process
-    of the run left."""
+    shutdown would wait a second for each before its SIGKILL: the run's workers (done by now) and Ray's side
+    processes are killed first, and Ray's shutdown kills the raylet and the GCS server without a SIGTERM
+    once the driver has disconnected from them. The command returns with no process of the run left."""
     import ray
 
     if not ray.is_initialized():
@@ -105,12 +106,21 @@ def stop_ray() -> None:
     node = getattr(ray._private.worker, "_global_node", None)
     for info in node.all_processes.get("raylet", []) if node is not None else ():
         _kill_below(info.process.pid)  # the run's workers: none outlives the command (they finished)
-    for name in LOCAL_PROCESSES if node is not None else ():
+    for name in SIDE_PROCESSES if node is not None else ():
         for info in node.all_processes.get(name, []):
             if info.process.poll() is None:
                 info.process.kill()
                 info.process.wait()
+    if node is not None:  # the raylet and the GCS server: killed by Ray's shutdown, at once
+        node.kill_all_processes = functools.partial(_kill_at_once, node.kill_all_processes)
     ray.shutdown()
+
+
+def _kill_at_once(kill_all_processes, check_alive: bool = True, allow_graceful: bool = False, wait: bool = False):
+    """Ray's ``Node.kill_all_processes`` with no SIGTERM first: the session's processes hold it blocked, and Ray
+    gave each a second to answer it. The driver's own disconnect in ``ray.shutdown`` needs the raylet and the
+    GCS server alive: killed before it, they cost it a 5-second timeout at the end of every run."""
+    return kill_all_processes(check_alive=check_alive, allow_graceful=False, wait=wait)
 
 
 def _kill_below(pid: int, wait_s: float = 5.0) -> None:
@@ -126,7 +136,22 @@ def _kill_below(pid: int, wait_s: float = 5.0) -> None:
             process.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(below, timeout=wait_s)
+    deadline = time.monotonic() + wait_s
+    while below and time.monotonic() < deadline:
+        # a killed worker is gone once it is a zombie: the raylet, not this process, reaps it, when it next
+        # looks (psutil's wait_procs waited for that reaping: seconds at the end of every run)
+        below = [p for p in below if _running(p)]
+        if below:
+            time.sleep(0.02)
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so

@@ -278,3 +278,30 @@ def test_the_local_nodes_death_is_not_said_while_the_run_stops_ray(monkeypatch):
     ray_worker.print_to_stdstream({"lines": ["other news"], "pid": "raylet"}, False)
     ray_session._STOPPING.clear()
     assert printed == [notice["lines"], ["other news"]]
+
+
+def test_the_raylets_killed_workers_count_as_gone_before_the_raylet_reaps_them():
+    """stop_ray kills the raylet's workers, and the raylet reaps them when it next looks: waiting for the
+    reaping (psutil's wait_procs) held every run's end for seconds. A killed worker is gone as a zombie."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from launch.ray_session import _kill_below
+
+    code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"  # never reaps its child
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 20
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = psutil.Process(parent.pid).children()
+        start = time.monotonic()
+        _kill_below(parent.pid, wait_s=30.0)
+        assert time.monotonic() - start < 15  # not the 30 s the zombie would have held it
+        assert child.status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by its parent
+    finally:
+        parent.kill()
+        parent.wait()
