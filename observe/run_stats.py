@@ -141,6 +141,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "staleness_mean": _ratio([s * c for s, c in hist.items()], list(hist.values())),
         "groups": sum(len(m.get("prompt_ids") or []) for m in metrics),
         "dropped_stale": sum(m.get("dropped_stale", 0) for m in metrics),
+        "starved_prompts": sum(m.get("starved_prompts", 0) for m in metrics),
         "filtered_groups": sum(m.get("filtered_groups", 0) for m in metrics),
         "tis_truncated_frac": _mean(series(metrics, "learner/tis_truncated_frac")[1]),
         "tis_mismatch_kl": _mean(series(metrics, "learner/tis_mismatch_kl")[1]),

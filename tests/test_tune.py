@@ -207,3 +207,17 @@ def test_the_command_probes_in_turn_survives_a_failed_probe_and_stops_on_ctrl_c(
     assert measured[0]["tokens_per_s"] > 0
     cfg = load_config([str(job), str(root / "overrides.yaml")])
     assert (cfg.run.max_staleness, cfg.resources.actors.count) == (0, 1)
+
+
+def test_a_setting_that_gave_up_prompts_is_not_recommended_however_fast():
+    """In flight, a long-tail completion older than k at every try is given up (runtime/admission.py): that
+    setting trains the short completions only, so its speed is not the job's."""
+    measured = probe(Workload(generate_s=6.0, train_s=3.0), config(1, 1), ks=(0, 2))
+    for m in measured:
+        if m.setting.weight_update == "inflight":
+            m.tokens_per_s *= 10
+            m.starved = 3
+    rec = recommend(measured)
+    assert rec.setting.weight_update == "between_requests"
+    inflight = next(m for m in measured if m.setting.weight_update == "inflight")
+    assert inflight.over(Thresholds()) == ["3 prompt(s) too stale at every try (their long completions go untrained)"]

@@ -91,6 +91,7 @@ class Measurement:
     learner_idle: float = 0.0  # share of step time the learner waited for data
     actor_idle: float = 0.0  # share of the actors' time waiting for prompts or weights
     dropped_frac: float = 0.0
+    starved: int = 0  # prompts given up, too stale at every try: the setting trains short completions only
     tis_truncated_frac: float = 0.0
     mismatch_kl: float = 0.0
     run_dir: str = ""
@@ -105,6 +106,8 @@ class Measurement:
             out.append(f"mismatch KL {self.mismatch_kl:.3g} > {limits.mismatch_kl:g}")
         if self.dropped_frac > limits.dropped_frac:
             out.append(f"dropped {self.dropped_frac:.0%} > {limits.dropped_frac:.0%}")
+        if self.starved:
+            out.append(f"{self.starved} prompt(s) too stale at every try (their long completions go untrained)")
         return out
 
 
@@ -195,6 +198,7 @@ def measure(setting: Setting, run_dir: str) -> Measurement:
         learner_idle=number("learner_idle"),
         actor_idle=number("actor_idle"),
         dropped_frac=number("dropped_stale") / max(number("groups"), 1.0),
+        starved=int(number("starved_prompts")),
         tis_truncated_frac=number("tis_truncated_frac"),
         mismatch_kl=number("tis_mismatch_kl"),
         run_dir=run_dir,
