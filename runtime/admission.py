@@ -156,6 +156,7 @@ class Admission:
         """A group left out by dynamic sampling: its prompt is done (not generated again), and one
         more prompt may be admitted in its place."""
         self.ledger.trained(group.prompt_id)
+        self.stale_tries.pop(group.prompt_id, None)
         self._replace(1)
         await self.pace.drop()
 
@@ -169,6 +170,7 @@ class Admission:
         for group in groups:
             self.ledger.trained(group.prompt_id)
             self.batched.discard(group.prompt_id)
+            self.stale_tries.pop(group.prompt_id, None)
 
     async def published(self, version: int) -> None:
         """Policy ``version`` is on the weight channel: a step's more prompts may go out."""

@@ -170,20 +170,24 @@ class SignalWatch:
         self.starved = 0  # prompts given up: too stale at every try (Admission.too_stale)
 
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """The warnings this step gives (one per line), or None."""
         self.steps += 1
-        starving = self._starved(step, metrics)
+        said = [self._starved(step, metrics), self._signal(step, metrics)]
+        return "\n".join(text for text in said if text) or None
+
+    def _signal(self, step: int, metrics: dict[str, Any]) -> str | None:
         if cause := untrained_cause(metrics):
             return self._empty(step, cause)
         self.empty_streak = 0
         if not no_signal(metrics):
             self.streak = []
-            return starving
+            return None
         silent = Silent.of(metrics)
         self.no_signal_steps += 1
         self.streak.append(silent)
         self.silent.append(silent)
         if len(self.streak) != self.k:
-            return starving
+            return None
         return self._warn(
             f"steps {step + 2 - self.k}-{step + 1}: every group scored alike for {self.k} steps in a row, "
             f"so there is no learning signal ({no_signal_cause(self.streak)})"

@@ -74,3 +74,28 @@ def test_given_up_prompts_are_said_once_with_the_staleness_that_would_train_them
     assert watch.step(2, {**base, "starved_prompts": 1, "starved_age_max": 9, "starved_len_mean": 300.0}) is None
     summary = watch.summary()
     assert summary["starved_prompts"] == 3 and summary["warnings"] == [warning]
+
+
+def test_given_up_prompts_are_said_on_a_step_that_also_trained_nothing():
+    """A long tail cut and masked (algorithm.shaping.mask_truncated) can train 0 tokens in the step that gives
+    prompts up: both are said."""
+    watch = SignalWatch()
+    metrics = {"reward_std": 0.5, "completion_len_mean": 40.0, "trained_tokens": 0.0, "truncated_frac": 1.0}
+    said = watch.step(0, {**metrics, "starved_prompts": 2, "starved_age_max": 4, "starved_len_mean": 300.0})
+    first, second = said.split("\n")
+    assert first.startswith("step 1: 2 prompt(s) given up") and second.startswith("step 1 trained 0 tokens")
+
+
+def test_a_prompt_trained_or_left_out_forgets_its_stale_tries():
+    async def go():
+        admission = _admission()
+        for _ in range(2):
+            admission.ledger.take()
+        for prompt in (0, 1):
+            await admission.too_stale(make_group(prompt, [0.0, 1.0], version=0))
+            admission.ledger.take()
+        admission.trained([make_group(0, [0.0, 1.0], version=1)])
+        await admission.no_signal(make_group(1, [1.0, 1.0], version=1))
+        return admission
+
+    assert not asyncio.run(go()).stale_tries
