@@ -4,6 +4,8 @@ parameters, the start-up report. The driver builds one ``ActorSpec`` per actor.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -173,20 +175,26 @@ def request_params(spec: ActorSpec, request: PromptRequest, seed: int | None, st
 
 
 def row_budget(rollout, row: dict) -> int:
-    """A prompt's longest completion: its row's ``rollout.max_tokens_field`` (a positive integer) capped at
-    ``rollout.max_tokens``, or ``rollout.max_tokens`` for a row without one."""
+    """A prompt's longest completion: its row's ``rollout.max_tokens_field`` (a column or a dotted path; a
+    positive whole number, as a number or as text) capped at ``rollout.max_tokens``, or
+    ``rollout.max_tokens`` for a row without one."""
+    from queues.sources import field_value
+
     field = rollout.max_tokens_field
-    value = row.get(field) if field else None
+    value = field_value(row, field) if field else None
     if value is None:
         return rollout.max_tokens
-    if isinstance(value, str) and value.strip().isdigit():  # a CSV column's numbers are text
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+    number = None
+    if isinstance(value, str) and value.strip().isdecimal():  # a CSV column's numbers are text
+        number = int(value.strip()) if value.strip().isascii() else None
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        number = int(value) if value == int(value) else None
+    if number is None or number < 1:
         raise ValueError(
             f"rollout.max_tokens_field: column {field!r} holds {value!r}, not a positive whole number of tokens; "
             "fix that row or leave the column empty there (rollout.max_tokens applies)"
         )
-    return min(int(value), rollout.max_tokens)
+    return min(number, rollout.max_tokens)
 
 
 def turn_params(spec: ActorSpec, request: PromptRequest, max_tokens: int, seed: int | None, stream: bool = False):

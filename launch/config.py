@@ -239,6 +239,11 @@ class TandemConfig(Section):
         """Valid settings that are probably not what the user meant: printed before the run, one line each."""
         out = ([regrouped_warning(self._regrouped)] if self._regrouped else []) + self.algorithm.warnings
         out += self.learner.lora.warnings if self.learner.lora else []
+        if self.rollout.max_tokens_field and self.algorithm.shaping.soft_overlong is not None:
+            out.append(
+                "rollout.max_tokens_field with algorithm.shaping.soft_overlong: the penalty ramps toward "
+                "rollout.max_tokens, so a row cut at its own smaller budget gets no ramp"
+            )
         res = self.resources
         engine_cores = res.actors.count * res.actors.tensor_parallel
         learner_cores = res.learner.ranks * res.learner.num_cpus

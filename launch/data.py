@@ -68,17 +68,32 @@ def load_run_rows(cfg: TandemConfig, say: Callable[[str], None]) -> tuple[Rows, 
     if ev.max_prompts is not None:
         held = held[: ev.max_prompts]
     if cfg.rollout.max_tokens_field:  # a bad budget is said now, naming the row, not by an actor mid-run
-        from actors.spec import row_budget
-
-        for i, row in enumerate(rows + held):
-            try:
-                row_budget(cfg.rollout, row)
-            except ValueError as err:
-                raise DatasetError(f"data row {i}: {err}") from None
+        check_budgets(cfg, rows, held)
     line = unmatched_sources(cfg, rows + held)
     if line:
         say(line)
     return rows, held
+
+
+def check_budgets(cfg: TandemConfig, rows: Rows, held: Rows) -> None:
+    """Every row's ``rollout.max_tokens_field`` is a budget or empty, and some row has one (a misspelt column
+    would otherwise leave every row at ``rollout.max_tokens`` without a word)."""
+    from actors.spec import row_budget
+    from queues.sources import field_value
+
+    field = cfg.rollout.max_tokens_field
+    for source, part in (("data.prompts", rows), ("eval.prompts", held)):
+        for i, row in enumerate(part):
+            try:
+                row_budget(cfg.rollout, row)
+            except ValueError as err:
+                raise DatasetError(f"{source} row {i}: {err}") from None
+    if rows and all(field_value(row, field) is None for row in rows):
+        columns = ", ".join(sorted(rows[0])) or "none"
+        raise DatasetError(
+            f"rollout.max_tokens_field: no row of data.prompts has a value in {field!r} (the rows' columns: "
+            f"{columns}); name the column that holds each prompt's budget, or set rollout.max_tokens_field=null"
+        )
 
 
 def unmatched_sources(cfg: TandemConfig, rows: Rows) -> str | None:

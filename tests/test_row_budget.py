@@ -27,7 +27,7 @@ def test_a_rows_budget_caps_its_completions_and_a_row_without_one_uses_max_token
     assert request_params(spec, PromptRequest(0, {"prompt": "p"}, min_version=0), seed=1).max_tokens == 64
 
 
-@pytest.mark.parametrize("value", ["12 tokens", 0, -3, 2.5, True])
+@pytest.mark.parametrize("value", ["12 tokens", 0, -3, 2.5, True, "\u00b2"])
 def test_a_budget_that_is_not_a_positive_whole_number_is_named_with_its_row(tmp_path, value):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
@@ -37,10 +37,34 @@ def test_a_budget_that_is_not_a_positive_whole_number_is_named_with_its_row(tmp_
         "configs/demo.yaml",
         [f"data.prompts={rows}", "rollout.max_tokens_field=budget", "eval.fraction=0", "reward.function=builtin:echo"],
     )
-    with pytest.raises(ValueError, match=r"data row \d: rollout.max_tokens_field: column 'budget' holds"):
+    with pytest.raises(ValueError, match=r"data.prompts row 1: rollout.max_tokens_field: column 'budget' holds"):
         load_run_rows(cfg, say=lambda line: None)
 
 
 def test_a_per_row_budget_is_refused_for_episodes():
     with pytest.raises(ValueError, match="single-turn rollouts"):
         RolloutConfig(kind="multi_turn", max_tokens_field="budget", episode={"environment": "builtin:lookup"})
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_budget_that_is_not_finite_is_named_too(value):
+    with pytest.raises(ValueError, match="not a positive whole number"):
+        row_budget(RolloutConfig(max_tokens=64, max_tokens_field="budget"), {"budget": value})
+
+
+def test_a_budget_in_a_nested_column_is_read_by_its_dotted_path():
+    rollout = RolloutConfig(max_tokens=64, max_tokens_field="extra_info.budget")
+    assert row_budget(rollout, {"extra_info": {"budget": 9}}) == 9 and row_budget(rollout, {"extra_info": {}}) == 64
+
+
+def test_a_budget_column_no_row_has_is_named_with_the_columns_there_are(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p, "budget": 3}) + "\n" for p in "ab"))
+    cfg = load_config(
+        "configs/demo.yaml",
+        [f"data.prompts={rows}", "rollout.max_tokens_field=budjet", "eval.fraction=0", "reward.function=builtin:echo"],
+    )
+    with pytest.raises(
+        ValueError, match=r"no row of data.prompts has a value in 'budjet' \(the rows' columns: .*budget"
+    ):
+        load_run_rows(cfg, say=lambda line: None)
