@@ -95,31 +95,36 @@ SIDE_PROCESSES = ("monitor", "dashboard", "log_monitor")  # what the driver's di
 
 def stop_ray() -> None:
     """``ray.shutdown``. A local session's processes hold SIGTERM blocked (``_init_ray``), so Ray's own
-    shutdown would wait a second for each before its SIGKILL: the run's workers (done by now) and Ray's side
-    processes are killed first, and Ray's shutdown kills the raylet and the GCS server without a SIGTERM
-    once the driver has disconnected from them. The command returns with no process of the run left."""
+    shutdown would wait a second for each before its SIGKILL: Ray's side processes are killed first, and
+    once the driver has disconnected, Ray's shutdown kills the run's workers (done by now), the raylet and
+    the GCS server without a SIGTERM (``_kill_at_once``). The command returns with no process of the run left."""
     import ray
 
     if not ray.is_initialized():
         return
     _STOPPING.set()  # the GCS server may see the raylet go first: that node's death is ours, not news
-    node = getattr(ray._private.worker, "_global_node", None)
-    for info in node.all_processes.get("raylet", []) if node is not None else ():
-        _kill_below(info.process.pid)  # the run's workers: none outlives the command (they finished)
-    for name in SIDE_PROCESSES if node is not None else ():
-        for info in node.all_processes.get(name, []):
-            if info.process.poll() is None:
-                info.process.kill()
-                info.process.wait()
-    if node is not None:  # the raylet and the GCS server: killed by Ray's shutdown, at once
-        node.kill_all_processes = functools.partial(_kill_at_once, node.kill_all_processes)
-    ray.shutdown()
+    try:
+        node = getattr(ray._private.worker, "_global_node", None)
+        for name in SIDE_PROCESSES if node is not None else ():
+            for info in node.all_processes.get(name, []):
+                if info.process.poll() is None:
+                    info.process.kill()
+                    info.process.wait()
+        if node is not None:  # the workers, the raylet and the GCS server: killed in Ray's shutdown, at once
+            node.kill_all_processes = functools.partial(_kill_at_once, node, node.kill_all_processes)
+        ray.shutdown()
+    finally:
+        _STOPPING.clear()  # Ray's shutdown stopped its printing threads: a later session's news is news
 
 
-def _kill_at_once(kill_all_processes, check_alive: bool = True, allow_graceful: bool = False, wait: bool = False):
-    """Ray's ``Node.kill_all_processes`` with no SIGTERM first: the session's processes hold it blocked, and Ray
-    gave each a second to answer it. The driver's own disconnect in ``ray.shutdown`` needs the raylet and the
-    GCS server alive: killed before it, they cost it a 5-second timeout at the end of every run."""
+def _kill_at_once(node, kill_all_processes, check_alive: bool = True, allow_graceful: bool = False, wait=False):
+    """Ray's ``Node.kill_all_processes``, called by ``ray.shutdown`` once the driver has disconnected: first
+    every process below the raylet (the run's workers and the raylet's agents: none outlives the command),
+    then Ray's own, with no SIGTERM first (the session's processes hold it blocked, and Ray gave each a second
+    to answer it). The disconnect needs the raylet and the GCS server alive, and the raylet ends with its
+    agents: killed before it, they cost it a 5-second timeout at the end of every run."""
+    for info in node.all_processes.get("raylet", []):
+        _kill_below(info.process.pid)
     return kill_all_processes(check_alive=check_alive, allow_graceful=False, wait=wait)
 
 
@@ -178,7 +183,10 @@ def _quiet_worker_deaths() -> None:
         if data.get("pid") == "raylet" and any(WORKER_DIED in line or RAYLET_DIED in line for line in lines):
             return None
         if _STOPPING.is_set() and any(NODE_DEAD in line for line in lines):
-            return None  # stop_ray killed the raylet: the node's death is the end of the run, not an error
+            # stop_ray killed the raylet: the node's death is the end of the run, not an error
+            data = {**data, "lines": [line for line in lines if NODE_DEAD not in line]}
+            if not data["lines"]:
+                return None
         return original(data, ignore_prefix)
 
     printer.tandem_filter = True
