@@ -68,7 +68,9 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         having = [m for m in per_rank if key in m]
         if key in ("grad_norm", "nonfinite_updates", "updates"):
             merged[key] = having[0][key]  # already global: every rank agreed on them
-        elif key.endswith("_max") or key.startswith("time_"):  # a phase's time: the slowest rank's
+        elif key.startswith("time_"):  # the phases of the slowest rank (a fast one's wait for it is no phase)
+            merged[key] = max(per_rank, key=lambda m: m["seconds"]).get(key, 0.0)
+        elif key.endswith("_max"):
             merged[key] = max(m[key] for m in having)
         elif key.endswith("_min"):
             merged[key] = min(m[key] for m in having)
@@ -203,6 +205,7 @@ class LearnerGroup:
             critic = merge_rank_metrics(list(results[len(self.workers) :]))
             metrics.update({k: v for k, v in critic.items() if k.startswith(("critic_", "value_"))})
             metrics["critic_seconds"] = critic["learner_seconds"]
+            metrics["time_critic_s"] = critic.get("time_critic_s", 0.0)
         if advantages.importance:  # before normalisation: how much truncation and rejection shrank the weights
             metrics["tis_batch_mean"] = advantages.importance[1]
         if algo.kl.enabled:

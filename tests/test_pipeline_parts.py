@@ -188,9 +188,16 @@ def test_merged_metrics_sum_loss_and_weight_by_tokens():
             {"loss": 0.25, "tokens": 10, "seconds": 1.0, "ratio_mean": 1.0, "ratio_max": 1.5, "grad_norm": 2.0},
             {"loss": 0.50, "tokens": 30, "seconds": 2.0, "ratio_mean": 2.0, "ratio_max": 1.2, "grad_norm": 2.0},
         ]
-        + [{"loss": 0.0, "tokens": 0, "seconds": 0.5, "time_backward_s": 0.4}]  # a phase's time: the slowest rank's
     )
-    assert merged["time_backward_s"] == 0.4
+    assert merged["loss"] == 0.75 and merged["tokens"] == 40 and merged["learner_seconds"] == 2.0
+    # the phases are the slowest rank's, each: a fast rank's optimizer phase holds its wait for the slow one
+    phases = merge_rank_metrics(
+        [
+            {"loss": 0.0, "tokens": 1, "seconds": 3.2, "time_backward_s": 2.0, "time_optimizer_s": 0.2},
+            {"loss": 0.0, "tokens": 1, "seconds": 3.2 - 1e-3, "time_backward_s": 1.0, "time_optimizer_s": 1.7},
+        ]
+    )
+    assert (phases["time_backward_s"], phases["time_optimizer_s"]) == (2.0, 0.2)
     assert merged["loss"] == 0.75 and merged["tokens"] == 40 and merged["learner_seconds"] == 2.0
     assert merged["ratio_mean"] == pytest.approx((1.0 * 10 + 2.0 * 30) / 40)  # = 1.75
     assert merged["ratio_max"] == 1.5 and merged["grad_norm"] == 2.0
