@@ -122,9 +122,19 @@ class BetweenRequests:
         """One generate call for every pending prompt; any error reaches every waiting rollout. A call waits
         for the one running: the episode turns that become ready meanwhile, one by one as their tool calls
         return, join it and reach the engine together (the engine could not start them sooner)."""
-        async with self.engine_free:
+        try:
+            await self.engine_free.acquire()
+        except asyncio.CancelledError:  # no call will take the pending turns now: they fail, none waits forever
+            batch, self.pending = self.pending, []
+            for _, _, future in batch:
+                if not future.done():
+                    future.cancel()
+            raise
+        try:
             batch, self.pending = self.pending, []
             await self._generate(batch)
+        finally:
+            self.engine_free.release()
 
     async def _generate(self, batch: list) -> None:
         try:
