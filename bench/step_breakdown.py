@@ -2,9 +2,9 @@
 
 The job is bench/vs_trl.py's (the tiny model, 16 prompts x 8 completions of exactly L tokens per optimizer
 step, GRPO, one update per batch, no KL), at L = 128 and 512 (``--lengths``). Each contestant runs in a
-fresh child; the table gives each phase's seconds per steady step (the median over the steps after the
-first; step 0 holds the warm-up), so the columns of a row add up to more than its step where
-processes work at once:
+fresh child; the table gives each phase's seconds per steady step (Tandem: its total over a window of
+whole steps after the first two, divided by their count; TRL: the median over the steps after the
+first), so the columns of a row add up to more than its step where processes work at once:
 
 - Tandem, from the run's own record: ``timeline.jsonl`` (actor: ``generate``, with ``reward`` inside it,
   ``load_weights``, ``wait_weights``; learner: ``score`` = old/reference log-probs, ``advantages``,
@@ -120,34 +120,42 @@ def run_tandem(schedule: str, length: int, steps: int, args, tmp: Path) -> dict:
 
 
 def tandem_phases(metrics: list[dict], spans: list[dict]) -> dict[str, float]:
-    """Each phase's seconds in every steady step (its window: from the driver's wait for its data to the
-    next step's, ``observe/timeline_stats.step_windows``), medians over the steps after the first."""
-    from observe.timeline_stats import step_windows
+    """Each phase's seconds per step over the steady steps: from the start of step 2 (steps 0 and 1 hold the
+    warm-up and, colocated, the first phase) to the start of an even step before the last (a colocated phase
+    collects two steps back to back, so only phase-aligned windows split its time rightly), divided by the
+    steps between. Spans are merged per process and kind (in-flight groups overlap), then summed over the
+    processes of a role (two actors: two cores' worth)."""
+    from observe.timeline_stats import clip, merge_intervals, step_windows, total
 
     windows = step_windows(spans)
-    per_step = []
-    for m in metrics[1:-1]:  # the last window runs to the end of the timeline (the run's close)
-        lo, hi = windows[m["step"]]
-        kinds = collections.Counter()
-        for s in spans:
-            kinds[(s["process"].split("-")[0], s["kind"])] += max(0.0, min(s["end"], hi) - max(s["start"], lo))
-        learner_busy = sum(kinds[("learner", k)] for k in ("score", "advantages", "train", "publish"))
-        phases = {
-            "generation": kinds[("actor", "generate")] - kinds[("actor", "reward")],
-            "reward": kinds[("actor", "reward")],
-            "old logprobs": kinds[("learner", "score")],
-            "forward": m.get("learner/time_forward_s", 0.0),
-            "backward": m.get("learner/time_backward_s", 0.0),
-            "optimizer": m.get("learner/time_optimizer_s", 0.0),
-            "publish+load": kinds[("learner", "publish")] + kinds[("actor", "load_weights")],
-            "train": kinds[("learner", "train")],
-            "learner busy": learner_busy,
-            "learner idle": kinds[("driver", "wait_data")],
-            "step": hi - lo,
-        }
-        phases["driver"] = max(0.0, phases["step"] - learner_busy - phases["learner idle"])
-        per_step.append(phases)
-    return medians(per_step)
+    last = 2 + 2 * ((len(metrics) - 3) // 2)
+    if last <= 2:
+        raise SystemExit(
+            "--steps must be at least 5: the steady window runs from step 2 to an even step before the last"
+        )
+    window, steps = (windows[2][0], windows[last][0]), last - 2
+    kinds = collections.Counter()
+    for process in {s["process"] for s in spans}:
+        for kind in {s["kind"] for s in spans if s["process"] == process}:
+            merged = merge_intervals(s for s in spans if s["process"] == process and s["kind"] == kind)
+            kinds[(process.split("-")[0], kind)] += total(clip(merged, window)) / steps
+    steady = [m for m in metrics if 2 <= m["step"] < last]
+    learner = {p: sum(m.get(f"learner/time_{p}_s", 0.0) for m in steady) / steps for p in ("forward", "backward")}
+    learner_busy = sum(kinds[("learner", k)] for k in ("score", "advantages", "train", "publish"))
+    phases = {
+        "generation": kinds[("actor", "generate")] - kinds[("actor", "reward")],
+        "reward": kinds[("actor", "reward")],
+        "old logprobs": kinds[("learner", "score")],
+        **learner,
+        "optimizer": sum(m.get("learner/time_optimizer_s", 0.0) for m in steady) / steps,
+        "publish+load": kinds[("learner", "publish")] + kinds[("actor", "load_weights")],
+        "train": kinds[("learner", "train")],
+        "learner busy": learner_busy,
+        "learner idle": kinds[("driver", "wait_data")],
+        "step": (window[1] - window[0]) / steps,
+    }
+    phases["driver"] = max(0.0, phases["step"] - learner_busy - phases["learner idle"])
+    return phases
 
 
 def medians(per_step: list[dict[str, float]]) -> dict[str, float]:
