@@ -192,7 +192,10 @@ def main() -> None:
             row["trl"] = run_trl(length, args.steps, args)
             print(f"L={length} trl-{args.trl_threads}t: {row['trl']['steps_s']:.3f} steps/s", flush=True)
     for length, row in results.items():
-        print(f"\nL = {length}: seconds per steady step (median); Tandem's processes work at once")
+        print(
+            f"\nL = {length}: seconds per steady step (Tandem: over whole phases; TRL: median); "
+            "Tandem's processes work at once"
+        )
         print(f"{'contestant':<11} {'steps/s':>8} {'step':>6} " + " ".join(f"{p:>12}" for p in PHASES) + "  idle")
         for name, r in row.items():
             ph = r["phases"]
