@@ -87,7 +87,8 @@ def check_budgets(cfg: TandemConfig, rows: Rows, held: Rows) -> None:
             try:
                 row_budget(cfg.rollout, row)
             except ValueError as err:
-                raise DatasetError(f"{source} row {i}: {err}") from None
+                prompt = str(row.get("prompt", ""))[:60]  # the index is after the held-out split: the text says which
+                raise DatasetError(f"{source} row {i} (prompt {prompt!r}): {err}") from None
     if rows and all(field_value(row, field) is None for row in rows):
         columns = ", ".join(sorted(rows[0])) or "none"
         raise DatasetError(

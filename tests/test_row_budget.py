@@ -37,7 +37,8 @@ def test_a_budget_that_is_not_a_positive_whole_number_is_named_with_its_row(tmp_
         "configs/demo.yaml",
         [f"data.prompts={rows}", "rollout.max_tokens_field=budget", "eval.fraction=0", "reward.function=builtin:echo"],
     )
-    with pytest.raises(ValueError, match=r"data.prompts row 1: rollout.max_tokens_field: column 'budget' holds"):
+    said = r"data.prompts row 1 \(prompt .b.\): rollout.max_tokens_field: column 'budget' holds"
+    with pytest.raises(ValueError, match=said):
         load_run_rows(cfg, say=lambda line: None)
 
 
