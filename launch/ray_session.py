@@ -42,7 +42,6 @@ def start_ray(cfg: TandemConfig, plan: Plan, log_to_driver: bool = False, wait_s
     finally:
         if on_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
-    _STOPPING.clear()  # a new session (tests start several in one process)
     _quiet_worker_deaths()  # a cluster's worker deaths too
     deadline, said = time.monotonic() + wait_s, False
     while True:
@@ -88,8 +87,7 @@ def remove_local_sessions() -> None:
             latest.unlink(missing_ok=True)
 
 
-# a local Ray's processes, killed in this order once the run's workers are gone: the side ones hold no run
-# state, the raylet goes before the GCS server (as in Ray's own shutdown)
+# a local Ray's processes that hold no run state, killed before Ray's shutdown (which kills the rest)
 SIDE_PROCESSES = ("monitor", "dashboard", "log_monitor")  # what the driver's disconnect does not talk to
 
 
@@ -102,19 +100,15 @@ def stop_ray() -> None:
 
     if not ray.is_initialized():
         return
-    _STOPPING.set()  # the GCS server may see the raylet go first: that node's death is ours, not news
-    try:
-        node = getattr(ray._private.worker, "_global_node", None)
-        for name in SIDE_PROCESSES if node is not None else ():
-            for info in node.all_processes.get(name, []):
-                if info.process.poll() is None:
-                    info.process.kill()
-                    info.process.wait()
-        if node is not None:  # the workers, the raylet and the GCS server: killed in Ray's shutdown, at once
-            node.kill_all_processes = functools.partial(_kill_at_once, node, node.kill_all_processes)
-        ray.shutdown()
-    finally:
-        _STOPPING.clear()  # Ray's shutdown stopped its printing threads: a later session's news is news
+    node = getattr(ray._private.worker, "_global_node", None)
+    for name in SIDE_PROCESSES if node is not None else ():
+        for info in node.all_processes.get(name, []):
+            if info.process.poll() is None:
+                info.process.kill()
+                info.process.wait()
+    if node is not None:  # the workers, the raylet and the GCS server: killed in Ray's shutdown, at once
+        node.kill_all_processes = functools.partial(_kill_at_once, node, node.kill_all_processes)
+    ray.shutdown()  # its disconnect joins the thread that prints the GCS server's news before anything dies
 
 
 def _kill_at_once(node, kill_all_processes, check_alive: bool = True, allow_graceful: bool = False, wait=False):
@@ -162,8 +156,6 @@ def _running(process) -> bool:
 WORKER_DIED = "A worker died or was killed while executing a task"  # the raylet's paragraph begins so
 GCS_TASK_EVENTS = 10_000  # tasks whose events the GCS server keeps (the newest; Ray's default: 100,000)
 GCS_GONE_S = 600  # a local session's processes wait this long for a dead GCS server before Ray aborts them
-NODE_DEAD = "has been marked dead"  # the GCS server's notice of a node's death (said while stopping)
-_STOPPING = threading.Event()  # stop_ray has begun: the local node's death is the run's own doing
 RAYLET_DIED = "Raylet is terminated"  # ... and Ray's 20-line dump of a dead raylet's log (cluster/ray_watch.py says it)
 
 
@@ -182,11 +174,6 @@ def _quiet_worker_deaths() -> None:
         lines = data.get("lines", [])
         if data.get("pid") == "raylet" and any(WORKER_DIED in line or RAYLET_DIED in line for line in lines):
             return None
-        if _STOPPING.is_set() and any(NODE_DEAD in line for line in lines):
-            # stop_ray killed the raylet: the node's death is the end of the run, not an error
-            data = {**data, "lines": [line for line in lines if NODE_DEAD not in line]}
-            if not data["lines"]:
-                return None
         return original(data, ignore_prefix)
 
     printer.tandem_filter = True

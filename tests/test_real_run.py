@@ -80,3 +80,4 @@ def test_short_real_run_learns_within_the_staleness_bound(k, weight_update, sche
     assert (root / "config.yaml").is_file() and list((root / "tb").iterdir())
     assert (root / "logs" / "actor-0.log").read_text().count("no reward for prompts ending in 7:") > 0
     assert "reward" in out and "ETA" in out and str(root) in out
+    assert "has been marked dead" not in out  # the run's own end is not a node's death on the console

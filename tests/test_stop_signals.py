@@ -260,26 +260,6 @@ def test_a_rank_that_dies_mid_checkpoint_is_not_a_full_disk_but_a_short_write_wi
     assert line.startswith("disk quota exceeded: checkpoint step-2 could not be written to ") and "lfs quota" in line
 
 
-def test_the_local_nodes_death_is_not_said_while_the_run_stops_ray(monkeypatch):
-    """stop_ray kills the raylet before Ray's shutdown; the GCS server's notice that the node "has been marked
-    dead" then reached the console at the end of every demo. Said before the stop, silent during it."""
-    import ray._private.worker as ray_worker
-
-    from launch import ray_session
-
-    printed = []
-    monkeypatch.setattr(ray_worker, "print_to_stdstream", lambda data, ignore_prefix: printed.append(data["lines"]))
-    ray_session._STOPPING.clear()
-    ray_session._quiet_worker_deaths()
-    notice = {"lines": ["The node with node id: ab has been marked dead because ..."], "pid": "raylet"}
-    ray_worker.print_to_stdstream(notice, False)
-    ray_session._STOPPING.set()
-    ray_worker.print_to_stdstream(notice, False)
-    ray_worker.print_to_stdstream({"lines": ["other news"], "pid": "raylet"}, False)
-    ray_session._STOPPING.clear()
-    assert printed == [notice["lines"], ["other news"]]
-
-
 def test_the_raylets_killed_workers_count_as_gone_before_the_raylet_reaps_them():
     """stop_ray kills the raylet's workers, and the raylet reaps them when it next looks: waiting for the
     reaping (psutil's wait_procs) held every run's end for seconds. A killed worker is gone as a zombie."""
