@@ -35,8 +35,7 @@ from actors.spec import (
     engine_kwargs,
     engine_prompt,
     proven_runner_env,
-    row_budget,
-    sampling_params,
+    request_params,
     turn_params,
 )
 from cluster.channel import ChannelClosed, ChannelFailed, WeightReceiver, WeightsTimeout
@@ -82,10 +81,7 @@ class InFlight:
         # No per-request seed: in-flight sampling depends on timing anyway, and vLLM 0.32's CPU
         # runner crashes ("CPU Generator does not use offset") when it rewinds a seeded generator
         # for a request that is being recomputed, which is what a weight swap does.
-        budget = row_budget(self.spec.rollout, request.row)
-        params = sampling_params(
-            self.spec.rollout, 1, seed=None, stream=True, temperature=request.temperature, max_tokens=budget
-        )
+        params = request_params(self.spec, request, seed=None, stream=True, n=1)
         n = request.samples or self.spec.rollout.group_size
         streamed = await asyncio.gather(*[self._stream(engine_prompt(request), params) for _ in range(n)])
         return streamed[0][0], [completion for _, completion in streamed]

@@ -164,10 +164,13 @@ def engine_prompt(request: PromptRequest):
     return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
 
 
-def request_params(spec: ActorSpec, request: PromptRequest, seed: int | None, stream: bool = False):
-    """Sampling parameters of one request: ``group_size`` samples, or the evaluation's own count and temperature;
-    at most the row's own budget of tokens (``rollout.max_tokens_field``)."""
-    n = request.samples or spec.rollout.group_size
+def request_params(
+    spec: ActorSpec, request: PromptRequest, seed: int | None, stream: bool = False, n: int | None = None
+):
+    """Sampling parameters of one request: ``group_size`` samples, or the evaluation's own count and temperature
+    (``n``: this many instead, e.g. one per streamed request); at most the row's own budget of tokens
+    (``rollout.max_tokens_field``)."""
+    n = n or request.samples or spec.rollout.group_size
     budget = row_budget(spec.rollout, request.row)
     return sampling_params(
         spec.rollout, n, seed=seed, stream=stream, temperature=request.temperature, max_tokens=budget
