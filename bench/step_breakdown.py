@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -76,25 +75,13 @@ def trl_timed(argv: list[str]) -> None:
     timed(GRPOTrainer, "_get_per_token_logps_and_entropies", grad)
     timed(Accelerator, "backward", "backward")
     timed(AcceleratedOptimizer, "step", "optimizer")
-    parser = argparse.ArgumentParser(prog="step_breakdown.py _trl")
-    for name, kind in [("threads", int), ("length", int), ("steps", int), ("lr", float), ("micro", int)]:
-        parser.add_argument(f"--{name}", type=kind, required=True)
-    parser.add_argument("--betas", type=float, nargs=2, required=True)
-    parser.add_argument("--model", required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as out:
-        result = vs_trl.trl_train(args.model, args.length, args.steps, args.lr, args.betas, args.micro, out)
+    result = vs_trl.trl_child_train(argv, "step_breakdown.py _trl")
     print("RESULT " + json.dumps({"step_end": result["step_end"], "intervals": intervals}), flush=True)
 
 
 def run_trl(length: int, steps: int, args) -> dict:
     threads = args.trl_threads
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--threads", str(threads), "--length", str(length)]
-    cmd += ["--steps", str(steps), "--lr", str(args.lr), "--betas", *map(str, args.betas)]
-    cmd += ["--micro", "16", "--model", args.model]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd, env = vs_trl.trl_command(Path(__file__).resolve(), threads, length, steps, args, micro=16)
     r, _, _ = vs_trl.child_result(cmd, f"trl {threads}t", env)
     ends = r["step_end"]
     per_step: list[dict[str, float]] = []

@@ -132,8 +132,9 @@ def trl_train(model: str, length: int, steps: int, lr: float, betas: list[float]
     }
 
 
-def trl_child(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="vs_trl.py _trl")
+def trl_child_train(argv: list[str], prog: str) -> dict:
+    """A TRL child's job (``trl_command``'s arguments): ``trl_train`` on the threads it was given."""
+    parser = argparse.ArgumentParser(prog=prog)
     for name, kind in [("threads", int), ("length", int), ("steps", int), ("lr", float), ("micro", int)]:
         parser.add_argument(f"--{name}", type=kind, required=True)
     parser.add_argument("--betas", type=float, nargs=2, required=True)
@@ -145,7 +146,22 @@ def trl_child(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as out:
         result = trl_train(args.model, args.length, args.steps, args.lr, args.betas, args.micro, out)
-    print("RESULT " + json.dumps({**result, "threads": torch.get_num_threads()}), flush=True)
+    return {**result, "threads": torch.get_num_threads()}
+
+
+def trl_child(argv: list[str]) -> None:
+    print("RESULT " + json.dumps(trl_child_train(argv, "vs_trl.py _trl")), flush=True)
+
+
+def trl_command(script: Path, threads: int, length: int, steps: int, args: argparse.Namespace, micro: int):
+    """``(command, environment)`` of a TRL child: ``script _trl`` with the job's arguments, ``threads`` torch,
+    OpenMP and MKL threads, offline."""
+    cmd = [sys.executable, str(script), "_trl", "--threads", str(threads), "--length", str(length)]
+    cmd += ["--steps", str(steps), "--lr", str(args.lr), "--betas", *map(str, args.betas)]
+    cmd += ["--micro", str(micro), "--model", args.model]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return cmd, env
 
 
 def child_result(cmd: list[str], name: str, env: dict | None = None) -> tuple[dict, float, float]:
@@ -161,11 +177,7 @@ def child_result(cmd: list[str], name: str, env: dict | None = None) -> tuple[di
 
 
 def run_trl(threads: int, length: int, steps: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--threads", str(threads), "--length", str(length)]
-    cmd += ["--steps", str(steps), "--lr", str(args.lr), "--betas", *map(str, args.betas)]
-    cmd += ["--micro", str(args.trl_micro_batch), "--model", args.model]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd, env = trl_command(Path(__file__).resolve(), threads, length, steps, args, args.trl_micro_batch)
     r, start, wall = child_result(cmd, f"trl {threads}t", env)
     times = r.pop("step_end")
     lengths = r.pop("completion_len")
